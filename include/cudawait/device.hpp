@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   int  device_count();          number of visible devices; throws cuda_error without a driver
+//   int  try_device_count() noexcept;   same, 0 on any error
+//   class device_ref;             a device id, validated on construction
+//   device_ref current_device();
+//   class device_guard;           makes a device current for a scope, restores the previous one
+
+#include <cudawait/error.hpp>
+
+#include <source_location>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait {
+
+/// Number of CUDA devices visible to this process.
+/// @throws cuda_error when there is no driver (cudaErrorInsufficientDriver) or no device
+///         (cudaErrorNoDevice): the first CUDA use on such a machine fails here, clearly.
+[[nodiscard]] inline int device_count(std::source_location where = std::source_location::current()) {
+    int n = 0;
+    check(cudaGetDeviceCount(&n), "cudaGetDeviceCount", where);
+    if (n == 0) {
+        throw cuda_error(cudaErrorNoDevice, "cudaGetDeviceCount", where);
+    }
+    return n;
+}
+
+/// Number of CUDA devices, or 0 when the driver or the devices are missing. Never throws.
+[[nodiscard]] inline int try_device_count() noexcept {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+/// A non-owning, validated device id.
+class device_ref {
+public:
+    /// @throws cuda_error (cudaErrorInvalidDevice) when `id` names no visible device.
+    explicit device_ref(int id, std::source_location where = std::source_location::current())
+        : m_id(id) {
+        int n = device_count(where);
+        if (id < 0 || id >= n) {
+            throw cuda_error(cudaErrorInvalidDevice, "device_ref", where);
+        }
+    }
+
+    [[nodiscard]] int get() const noexcept { return m_id; }
+
+    /// Stream priorities this device supports: `greatest` is the highest priority (numerically
+    /// lowest).
+    struct priority_range {
+        int least;
+        int greatest;
+    };
+    /// @throws cuda_error
+    [[nodiscard]] priority_range stream_priorities() const;
+
+    friend bool operator==(device_ref, device_ref) = default;
+
+private:
+    struct unchecked {};
+    device_ref(int id, unchecked) noexcept : m_id(id) {}
+    friend device_ref current_device(std::source_location);
+    int m_id;
+};
+
+/// The calling thread's current device.
+/// @throws cuda_error
+[[nodiscard]] inline device_ref
+current_device(std::source_location where = std::source_location::current()) {
+    int id = 0;
+    check(cudaGetDevice(&id), "cudaGetDevice", where);
+    return device_ref(id, device_ref::unchecked{});
+}
+
+/// Makes `dev` current for the guard's lifetime and restores the previous device afterwards.
+class device_guard {
+public:
+    /// @throws cuda_error
+    explicit device_guard(device_ref dev, std::source_location where = std::source_location::current()) {
+        check(cudaGetDevice(&m_previous), "cudaGetDevice", where);
+        if (m_previous != dev.get()) {
+            check(cudaSetDevice(dev.get()), "cudaSetDevice", where);
+        }
+        m_current = dev.get();
+    }
+    device_guard(const device_guard&) = delete;
+    device_guard& operator=(const device_guard&) = delete;
+    ~device_guard() {
+        if (m_previous != m_current) {
+            detail::report(cudaSetDevice(m_previous), "cudaSetDevice");
+        }
+    }
+
+private:
+    int m_previous = 0;
+    int m_current = 0;
+};
+
+inline device_ref::priority_range device_ref::stream_priorities() const {
+    priority_range r{};
+    device_guard guard(*this);
+    check(cudaDeviceGetStreamPriorityRange(&r.least, &r.greatest),
+          "cudaDeviceGetStreamPriorityRange");
+    return r;
+}
+
+} // namespace cudawait

@@ -1,0 +1,312 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   class event;        owning cudaEvent_t (timing disabled unless asked); record / ready / sync
+//   class event_pool;   per-device cache of recycled cudaEventDisableTiming events
+//   class pooled_event; an event borrowed from a pool, given back when it goes out of scope
+//   class event_ref;    trivially copyable view of any of the above or of a raw cudaEvent_t
+//
+// Inside a task, `co_await ev` resumes once the work captured by the event's last record
+// finished (scheduler.hpp).
+
+#include <cudawait/device.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/stream.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <source_location>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait {
+
+namespace detail {
+/// Events created by the library and not yet destroyed (leak checks in tests).
+inline std::atomic<long> g_live_events{0};
+
+/// Maps cudaErrorNotReady to false and success to true; anything else throws.
+inline bool event_ready(cudaEvent_t ev, const std::source_location& where) {
+    cudaError_t st = cudaEventQuery(ev);
+    if (st == cudaErrorNotReady) {
+        return false;
+    }
+    check(st, "cudaEventQuery", where);
+    return true;
+}
+} // namespace detail
+
+/// An owning CUDA event. Move-only; using a moved-from event throws `usage_error`.
+class event {
+public:
+    /// Events made for waiting skip timing (cheaper to record and query).
+    static constexpr unsigned default_flags = cudaEventDisableTiming;
+
+    /// Creates an event on `dev` with `flags` (cudaEventDefault for a timing event).
+    /// @throws cuda_error
+    explicit event(device_ref dev, unsigned flags = default_flags,
+                   std::source_location where = std::source_location::current()) {
+        device_guard guard(dev, where);
+        check(cudaEventCreateWithFlags(&m_handle, flags), "cudaEventCreateWithFlags", where);
+        detail::g_live_events.fetch_add(1, std::memory_order_relaxed);
+    }
+    /// Creates a timing-disabled event on the current device.
+    /// @throws cuda_error
+    explicit event(std::source_location where = std::source_location::current())
+        : event(current_device(where), default_flags, where) {}
+
+    event(const event&) = delete;
+    event& operator=(const event&) = delete;
+    event(event&& other) noexcept : m_handle(std::exchange(other.m_handle, nullptr)) {}
+    event& operator=(event&& other) noexcept {
+        if (this != &other) {
+            destroy();
+            m_handle = std::exchange(other.m_handle, nullptr);
+        }
+        return *this;
+    }
+    ~event() { destroy(); }
+
+    /// Takes ownership of `handle`.
+    /// @throws usage_error for a null handle
+    [[nodiscard]] static event from_native_handle(cudaEvent_t handle) {
+        if (handle == nullptr) {
+            throw usage_error("event::from_native_handle: null handle");
+        }
+        detail::g_live_events.fetch_add(1, std::memory_order_relaxed);
+        return event(handle);
+    }
+    /// Gives up ownership: the caller destroys the returned handle.
+    [[nodiscard]] cudaEvent_t release() noexcept {
+        if (m_handle != nullptr) {
+            detail::g_live_events.fetch_sub(1, std::memory_order_relaxed);
+        }
+        return std::exchange(m_handle, nullptr);
+    }
+
+    /// @throws usage_error on a moved-from event
+    [[nodiscard]] cudaEvent_t get() const {
+        if (m_handle == nullptr) {
+            throw usage_error("cudawait::event used after it was moved from or released");
+        }
+        return m_handle;
+    }
+    [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
+
+    /// Captures the work enqueued on `s` so far.
+    /// @throws cuda_error, usage_error
+    void record(stream_ref s, std::source_location where = std::source_location::current()) {
+        check(cudaEventRecord(get(), s.get()), "cudaEventRecord", where);
+    }
+    /// True once the captured work completed (also for a never-recorded event).
+    /// @throws cuda_error for errors other than cudaErrorNotReady
+    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
+        return detail::event_ready(get(), where);
+    }
+    /// Blocks the calling thread until the captured work completed. Prefer `co_await`.
+    /// @throws cuda_error
+    void sync(std::source_location where = std::source_location::current()) const {
+        check(cudaEventSynchronize(get()), "cudaEventSynchronize", where);
+    }
+
+    /// Events owned by the library and not yet destroyed (pooled ones included).
+    [[nodiscard]] static long live_count() noexcept {
+        return detail::g_live_events.load(std::memory_order_relaxed);
+    }
+
+private:
+    explicit event(cudaEvent_t adopted) noexcept : m_handle(adopted) {}
+    void destroy() noexcept {
+        if (m_handle != nullptr) {
+            detail::report(cudaEventDestroy(m_handle), "cudaEventDestroy");
+            detail::g_live_events.fetch_sub(1, std::memory_order_relaxed);
+            m_handle = nullptr;
+        }
+    }
+    cudaEvent_t m_handle = nullptr;
+};
+
+class event_pool;
+
+/// An event borrowed from an `event_pool`; returned to it on destruction. Move-only.
+class pooled_event {
+public:
+    pooled_event() noexcept = default;
+    pooled_event(const pooled_event&) = delete;
+    pooled_event& operator=(const pooled_event&) = delete;
+    pooled_event(pooled_event&& o) noexcept
+        : m_pool(std::exchange(o.m_pool, nullptr)), m_handle(std::exchange(o.m_handle, nullptr)) {}
+    pooled_event& operator=(pooled_event&& o) noexcept {
+        if (this != &o) {
+            reset();
+            m_pool = std::exchange(o.m_pool, nullptr);
+            m_handle = std::exchange(o.m_handle, nullptr);
+        }
+        return *this;
+    }
+    ~pooled_event() { reset(); }
+
+    /// @throws usage_error when empty
+    [[nodiscard]] cudaEvent_t get() const {
+        if (m_handle == nullptr) {
+            throw usage_error("cudawait::pooled_event is empty");
+        }
+        return m_handle;
+    }
+    [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
+
+    /// @copydoc event::record
+    void record(stream_ref s, std::source_location where = std::source_location::current()) {
+        check(cudaEventRecord(get(), s.get()), "cudaEventRecord", where);
+    }
+    /// @copydoc event::ready
+    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
+        return detail::event_ready(get(), where);
+    }
+
+    /// Gives the event back to its pool now.
+    inline void reset() noexcept;
+
+private:
+    friend class event_pool;
+    pooled_event(event_pool* pool, cudaEvent_t h) noexcept : m_pool(pool), m_handle(h) {}
+    event_pool* m_pool = nullptr;
+    cudaEvent_t m_handle = nullptr;
+};
+
+/// A cache of timing-disabled events for one device. Event creation costs ~0.5 us and
+/// serialises inside the driver, so events used for waiting are recycled instead.
+///
+/// Thread-safe; no CUDA call is made under the pool's lock.
+class event_pool {
+public:
+    /// The process-wide pool of device `dev`.
+    /// @throws cuda_error for an invalid device
+    [[nodiscard]] static event_pool& for_device(int dev) {
+        static std::vector<std::unique_ptr<event_pool>> pools = make_pools();
+        if (dev < 0 || static_cast<std::size_t>(dev) >= pools.size()) {
+            throw cuda_error(cudaErrorInvalidDevice, "event_pool::for_device");
+        }
+        return *pools[static_cast<std::size_t>(dev)];
+    }
+
+    event_pool(const event_pool&) = delete;
+    event_pool& operator=(const event_pool&) = delete;
+    ~event_pool() {
+        for (cudaEvent_t e : m_free) {
+            detail::report(cudaEventDestroy(e), "cudaEventDestroy");
+            detail::g_live_events.fetch_sub(1, std::memory_order_relaxed);
+        }
+    }
+
+    /// Borrows an event, creating one when the cache is empty.
+    /// @throws cuda_error
+    [[nodiscard]] pooled_event acquire() { return pooled_event(this, acquire_raw()); }
+
+    /// Raw form of acquire() for the scheduler's intrusive bookkeeping; pair with release_raw.
+    /// @throws cuda_error
+    [[nodiscard]] cudaEvent_t acquire_raw() {
+        {
+            std::lock_guard lock(m_mutex);
+            ++m_outstanding;
+            if (!m_free.empty()) {
+                cudaEvent_t e = m_free.back();
+                m_free.pop_back();
+                return e;
+            }
+        }
+        cudaEvent_t e = nullptr;
+        try {
+            device_guard guard{device_ref{m_device}};
+            check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+        } catch (...) {
+            std::lock_guard lock(m_mutex);
+            --m_outstanding;
+            throw;
+        }
+        detail::g_live_events.fetch_add(1, std::memory_order_relaxed);
+        return e;
+    }
+    /// Gives back an event from acquire_raw(). Its last record must be complete or abandoned
+    /// by every waiter: a later acquire() may record it again.
+    void release_raw(cudaEvent_t e) noexcept {
+        std::lock_guard lock(m_mutex);
+        --m_outstanding;
+        m_free.push_back(e);
+    }
+
+    /// Events borrowed and not yet given back.
+    [[nodiscard]] long outstanding() const {
+        std::lock_guard lock(m_mutex);
+        return m_outstanding;
+    }
+    /// Events cached for reuse.
+    [[nodiscard]] std::size_t cached() const {
+        std::lock_guard lock(m_mutex);
+        return m_free.size();
+    }
+    [[nodiscard]] int device() const noexcept { return m_device; }
+
+private:
+    explicit event_pool(int dev) : m_device(dev) {}
+    static std::vector<std::unique_ptr<event_pool>> make_pools() {
+        int n = device_count();
+        std::vector<std::unique_ptr<event_pool>> v;
+        v.reserve(static_cast<std::size_t>(n));
+        for (int i = 0; i < n; ++i) {
+            v.emplace_back(new event_pool(i));
+        }
+        return v;
+    }
+
+    int m_device;
+    mutable std::mutex m_mutex;
+    std::vector<cudaEvent_t> m_free;
+    long m_outstanding = 0;
+};
+
+/// A non-owning view of a CUDA event. Inside a task, `co_await ev` resumes once the work the
+/// event captured completed; the event must outlive the await.
+class event_ref {
+public:
+    constexpr event_ref(cudaEvent_t handle) noexcept : m_handle(handle) {}
+    event_ref(int) = delete;
+    event_ref(std::nullptr_t) = delete;
+    /// @throws usage_error for a moved-from event
+    event_ref(const event& e) : m_handle(e.get()) {}
+    /// @throws usage_error for an empty pooled_event
+    event_ref(const pooled_event& e) : m_handle(e.get()) {}
+
+    [[nodiscard]] constexpr cudaEvent_t get() const noexcept { return m_handle; }
+    /// @copydoc event::record
+    void record(stream_ref s, std::source_location where = std::source_location::current()) const {
+        check(cudaEventRecord(m_handle, s.get()), "cudaEventRecord", where);
+    }
+    /// @copydoc event::ready
+    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
+        return detail::event_ready(m_handle, where);
+    }
+    /// @copydoc event::sync
+    void sync(std::source_location where = std::source_location::current()) const {
+        check(cudaEventSynchronize(m_handle), "cudaEventSynchronize", where);
+    }
+    friend constexpr bool operator==(event_ref, event_ref) noexcept = default;
+
+private:
+    cudaEvent_t m_handle;
+};
+
+inline void pooled_event::reset() noexcept {
+    if (m_pool != nullptr && m_handle != nullptr) {
+        m_pool->release_raw(m_handle);
+    }
+    m_pool = nullptr;
+    m_handle = nullptr;
+}
+
+} // namespace cudawait

@@ -1,0 +1,981 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep with back-off
+//   class scheduler;      the event loop that resumes coroutines when their GPU work finished
+//   sleep_for(d)          inside a task: `co_await sleep_for(5ms);`
+//   with_timeout(a, d)    inside a task: `co_await with_timeout(stream, 2s);` throws timeout_error
+//
+// Inside a library coroutine (task, when_all child, scope or sync_wait root):
+//   co_await stream;            resumes once all work enqueued on it before the await finished
+//   co_await event;             resumes once the event's captured work finished
+//   co_await sched.schedule();  continues on `sched`'s thread
+//
+// How it polls. An await on a stream records a recycled event on it and appends (event,
+// coroutine) to that stream's FIFO. Events recorded on one stream complete in order, so each
+// sweep queries only the head of every FIFO with pending work: O(streams), not O(awaits).
+// Awaited user events are kept in a separate list and each is queried per sweep. No CUDA host
+// callbacks are used: they cost ~5x the latency of polling and may not call CUDA themselves.
+//
+// Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
+// resume on it. post, spawn, wake and schedule() are safe from any thread.
+
+#include <cudawait/device.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/event.hpp>
+#include <cudawait/stream.hpp>
+#include <cudawait/task.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <source_location>
+#include <stop_token>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait {
+
+/// How a scheduler waits while GPU work is pending and nothing is ready.
+///
+/// After the last progress it busy-polls for `spin`, then polls with `std::this_thread::yield()`
+/// until `spin + yield` has passed, then sleeps between polls, starting at `sleep_min` and
+/// doubling up to `sleep_max`. A post from another thread ends a sleep at once. With no GPU work
+/// pending the scheduler blocks until a post or its next timer, whatever the policy.
+struct poll_policy {
+    std::chrono::nanoseconds spin = std::chrono::microseconds(200);
+    std::chrono::nanoseconds yield = std::chrono::microseconds(800);
+    std::chrono::nanoseconds sleep_min = std::chrono::microseconds(20);
+    std::chrono::nanoseconds sleep_max = std::chrono::microseconds(1000);
+
+    /// Lowest latency, one core busy while anything is pending.
+    [[nodiscard]] static constexpr poll_policy spinning() noexcept {
+        return {std::chrono::nanoseconds::max() / 4, std::chrono::nanoseconds(0),
+                std::chrono::microseconds(20), std::chrono::microseconds(1000)};
+    }
+    /// Polls between `std::this_thread::yield()` calls; gives the core away to other threads.
+    [[nodiscard]] static constexpr poll_policy yielding() noexcept {
+        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds::max() / 4,
+                std::chrono::microseconds(20), std::chrono::microseconds(1000)};
+    }
+    /// Sleeps between polls from the start, backing off from `min` to `max`: little CPU, a
+    /// resume latency of up to `max`.
+    [[nodiscard]] static constexpr poll_policy
+    sleeping(std::chrono::nanoseconds min = std::chrono::microseconds(50),
+             std::chrono::nanoseconds max = std::chrono::microseconds(2000)) noexcept {
+        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max};
+    }
+    /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
+    [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
+};
+
+namespace detail {
+
+/// One pending GPU wait: the event to poll and the coroutine to resume.
+struct wait_node {
+    wait_node* next = nullptr;
+    cudaEvent_t event = nullptr;
+    int device = -1; ///< >= 0: a recycled event of that device; -1: the user's event
+    std::coroutine_handle<> waiter;
+    cudaError_t* status = nullptr;
+};
+
+struct stream_fifo {
+    cudaStream_t stream = nullptr;
+    int device = 0;
+    wait_node* head = nullptr;
+    wait_node* tail = nullptr;
+};
+
+struct timer_node {
+    std::chrono::steady_clock::time_point deadline;
+    std::uint64_t seq = 0;
+    std::coroutine_handle<> waiter;
+    std::function<void()> callback;
+    bool cancelled = false;
+};
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+/// The coroutine type behind detached work (spawn, sync_wait, scopes, timeouts): starts when
+/// resumed, hands its outcome to a sink and frees itself.
+class detached {
+public:
+    class promise_type : public promise_base {
+    public:
+        detached get_return_object() noexcept {
+            return detached(std::coroutine_handle<promise_type>::from_promise(*this));
+        }
+        std::suspend_always initial_suspend() noexcept { return {}; }
+        std::suspend_never final_suspend() noexcept { return {}; }
+        void return_void() noexcept {}
+        // The body catches everything; an exception here means the sink threw.
+        void unhandled_exception() noexcept { std::terminate(); }
+    };
+    explicit detached(std::coroutine_handle<promise_type> h) noexcept : m_handle(h) {}
+    [[nodiscard]] std::coroutine_handle<promise_type> handle() const noexcept { return m_handle; }
+
+private:
+    std::coroutine_handle<promise_type> m_handle;
+};
+
+/// Awaits `a` and passes the outcome, as a result_slot, to `sink.complete(...)`.
+template <class R, class A, class Sink>
+detached run_detached(A a, Sink sink) {
+    result_slot<R> r;
+    try {
+        if constexpr (std::is_void_v<R>) {
+            co_await std::move(a);
+            r.set_value();
+        } else {
+            r.set_value(co_await std::move(a));
+        }
+    } catch (...) {
+        r.set_exception(std::current_exception());
+    }
+    sink.complete(std::move(r));
+}
+
+class stream_awaiter;
+class event_awaiter;
+class sleep_awaiter;
+struct schedule_awaitable;
+
+} // namespace detail
+
+/// The event loop. Resumes coroutines when the GPU work they await finished, when their timers
+/// expire, or when other threads post them.
+class scheduler {
+    using clock = std::chrono::steady_clock;
+
+public:
+    explicit scheduler(poll_policy policy = {}) : m_policy(policy) {}
+    scheduler(const scheduler&) = delete;
+    scheduler& operator=(const scheduler&) = delete;
+
+    /// Drives the loop until no GPU wait is pending and nothing is ready, so no recycled event
+    /// is handed back while the GPU may still complete it. Coroutines still suspended on timers
+    /// or on other schedulers are reported on stderr and not resumed.
+    ~scheduler() {
+        try {
+            run_until([this] {
+                return !has_gpu_waits() && m_ready.empty() && m_children == 0 &&
+                       !m_has_remote.load();
+            });
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "cudawait: scheduler drain failed: %s\n", e.what());
+        }
+        if (m_live_timers > 0 || m_detached.load() > 0) {
+            std::fprintf(stderr,
+                         "cudawait: scheduler destroyed with %zu pending timers and %zu detached "
+                         "tasks still suspended; they will not be resumed\n",
+                         m_live_timers, m_detached.load());
+        }
+        for (detail::timer_node* t : m_timers) {
+            delete t;
+        }
+        for (std::size_t d = 0; d < m_event_cache.size(); ++d) {
+            for (cudaEvent_t e : m_event_cache[d]) {
+                event_pool::for_device(static_cast<int>(d)).release_raw(e);
+            }
+        }
+    }
+
+    /// `co_await sched.schedule()` continues the awaiting coroutine on this scheduler's thread,
+    /// and makes it the coroutine's scheduler from then on.
+    [[nodiscard]] detail::schedule_awaitable schedule() noexcept;
+
+    /// Resumes `h` on the scheduler's thread. Thread-safe.
+    void post(std::coroutine_handle<> h) {
+        post(std::function<void()>([h] { h.resume(); }));
+    }
+    /// Runs `fn` on the scheduler's thread. Thread-safe. An exception from `fn` is kept and
+    /// rethrown by the next `run()`.
+    void post(std::function<void()> fn) {
+        {
+            std::lock_guard lock(m_remote_mutex);
+            m_remote.push_back(std::move(fn));
+            m_has_remote.store(true, std::memory_order_release);
+        }
+        m_remote_cv.notify_one();
+    }
+    /// Makes a waiting loop re-check its stop condition. Thread-safe.
+    void wake() { post(std::function<void()>{}); }
+
+    /// Starts `work` (a task or any awaitable) on this scheduler, detached. Its exception, if
+    /// any, is rethrown by the next `run()`. Thread-safe.
+    template <class A>
+    void spawn(A&& work) {
+        using R = detail::awaited_t<A>;
+        m_detached.fetch_add(1, std::memory_order_relaxed);
+        auto d = detail::run_detached<R>(std::forward<A>(work), detached_sink{this});
+        d.handle().promise().set_scheduler(this);
+        post(std::coroutine_handle<>(d.handle()));
+    }
+
+    /// Drives the loop until no work is left: nothing ready, no GPU wait, no timer and no
+    /// detached task. Rethrows the first exception of a detached task.
+    /// @throws usage_error when another thread is driving this scheduler
+    void run() {
+        run_until([this] { return idle(); });
+        rethrow_detached_error();
+    }
+    /// Drives the loop until `stop` is requested, waiting for posts when idle.
+    void run(std::stop_token stop) {
+        std::stop_callback wake_on_stop(stop, [this] { wake(); });
+        run_until([&stop] { return stop.stop_requested(); });
+        rethrow_detached_error();
+    }
+
+    /// Drives the loop on the calling thread until `done()` is true. `done` is checked after
+    /// every step; whoever makes it true from another thread must call wake().
+    /// @throws usage_error when another thread is driving this scheduler
+    template <class Pred>
+    void run_until(Pred&& done) {
+        run_from({}, std::forward<Pred>(done));
+    }
+
+    /// run_until, resuming `first` (if any) as the loop's first piece of work. `first` is left
+    /// untouched when the call throws usage_error.
+    template <class Pred>
+    void run_from(std::coroutine_handle<> first, Pred&& done) {
+        loop_owner owner(*this);
+        if (first) {
+            m_ready.push_back(first);
+        }
+        auto last_progress = clock::now();
+        auto backoff = m_policy.sleep_min;
+        while (!done()) {
+            if (step()) {
+                last_progress = clock::now();
+                backoff = m_policy.sleep_min;
+                continue;
+            }
+            if (done()) {
+                break;
+            }
+            wait_idle(last_progress, backoff);
+        }
+    }
+
+    /// One non-blocking turn of the loop. Returns whether anything happened.
+    /// @throws usage_error when another thread is driving this scheduler
+    bool poll() {
+        loop_owner owner(*this);
+        return step();
+    }
+
+    /// What is pending, for diagnostics and tests. Call from the driving thread or while idle.
+    struct pending_counts {
+        std::size_t stream_waits = 0;
+        std::size_t event_waits = 0;
+        std::size_t streams = 0;
+        std::size_t timers = 0;
+        std::size_t ready = 0;
+        std::size_t detached = 0;
+    };
+    [[nodiscard]] pending_counts pending() const {
+        return {m_stream_waits, m_event_waits.size(), m_active.size(), m_live_timers,
+                m_ready.size(), m_detached.load()};
+    }
+
+    [[nodiscard]] const poll_policy& policy() const noexcept { return m_policy; }
+    /// Call from the driving thread or while idle.
+    void set_policy(const poll_policy& p) noexcept { m_policy = p; }
+
+    /// For coroutines other than the library's: `co_await sched.wait(stream)`.
+    [[nodiscard]] inline detail::stream_awaiter
+    wait(stream_ref s, std::source_location where = std::source_location::current());
+    /// For coroutines other than the library's: `co_await sched.wait(event)`.
+    [[nodiscard]] inline detail::event_awaiter
+    wait(event_ref e, std::source_location where = std::source_location::current());
+    /// For coroutines other than the library's: `co_await sched.sleep_for(d)`.
+    [[nodiscard]] inline detail::sleep_awaiter sleep_for(std::chrono::nanoseconds d);
+
+    // ---- used by the awaiters --------------------------------------------------------------
+
+    /// Records a recycled event on `s` and queues `h` behind it. Returns false (with `status`
+    /// and `api` set) when that failed and `h` must not suspend.
+    bool add_stream_wait(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
+                         const char*& api) noexcept {
+        if (!on_loop_thread()) {
+            // Record on the loop thread: that captures at least the work enqueued so far.
+            return post_or_fail([this, s, h, &status, &api] {
+                if (!add_stream_wait(s, h, status, api)) {
+                    m_ready.push_back(h);
+                }
+            }, status, api);
+        }
+        try {
+            return add_stream_wait_local(s, h, status, api);
+        } catch (...) {
+            return fail(status, api, cudaErrorMemoryAllocation, "stream wait bookkeeping");
+        }
+    }
+
+    /// Queues `h` until the user's event `e` completes. Same contract as add_stream_wait.
+    bool add_event_wait(cudaEvent_t e, std::coroutine_handle<> h, cudaError_t& status,
+                        const char*& api) noexcept {
+        if (!on_loop_thread()) {
+            return post_or_fail([this, e, h, &status, &api] {
+                if (!add_event_wait(e, h, status, api)) {
+                    m_ready.push_back(h);
+                }
+            }, status, api);
+        }
+        try {
+            detail::wait_node* n = new_node();
+            n->event = e;
+            n->device = -1;
+            n->waiter = h;
+            n->status = &status;
+            api = "cudaEventQuery";
+            m_event_waits.push_back(n);
+        } catch (...) {
+            return fail(status, api, cudaErrorMemoryAllocation, "event wait bookkeeping");
+        }
+        return true;
+    }
+
+    /// Resumes `h` at `deadline`.
+    void add_timer(clock::time_point deadline, std::coroutine_handle<> h) {
+        if (!on_loop_thread()) {
+            post([this, deadline, h] { add_timer(deadline, h); });
+            return;
+        }
+        auto* t = new detail::timer_node{deadline, m_timer_seq++, h, {}, false};
+        push_timer(t);
+    }
+    /// Calls `fn` on the loop thread at `deadline` unless cancelled first. Loop thread only.
+    detail::timer_node* add_timer(clock::time_point deadline, std::function<void()> fn) {
+        auto* t = new detail::timer_node{deadline, m_timer_seq++, {}, std::move(fn), false};
+        push_timer(t);
+        return t;
+    }
+    /// Cancels a callback timer that has not fired yet. Loop thread only.
+    void cancel_timer(detail::timer_node* t) noexcept {
+        if (t != nullptr && !t->cancelled) {
+            t->cancelled = true;
+            t->callback = nullptr;
+            --m_live_timers;
+        }
+    }
+    /// Library-internal detached coroutines (the work behind a with_timeout) are counted so
+    /// that run() and the destructor wait for them. Loop thread only.
+    void child_started() noexcept { ++m_children; }
+    void child_finished() noexcept { --m_children; }
+
+    /// Queues `h` to run on this loop. Loop thread only.
+    void resume_soon(std::coroutine_handle<> h) { m_ready.push_back(h); }
+
+    [[nodiscard]] bool on_loop_thread() const noexcept {
+        return m_owner.load(std::memory_order_relaxed) == std::this_thread::get_id();
+    }
+
+private:
+    struct detached_sink {
+        scheduler* self;
+        template <class R>
+        void complete(detail::result_slot<R>&& r) {
+            if (r.has_exception()) {
+                std::lock_guard lock(self->m_error_mutex);
+                if (!self->m_detached_error) {
+                    self->m_detached_error = r.exception();
+                }
+            }
+            self->m_detached.fetch_sub(1, std::memory_order_release);
+            if (!self->on_loop_thread()) {
+                self->wake();
+            }
+        }
+    };
+
+    class loop_owner {
+    public:
+        explicit loop_owner(scheduler& s) : m_s(s) {
+            std::thread::id none{};
+            if (!m_s.m_owner.compare_exchange_strong(none, std::this_thread::get_id())) {
+                throw usage_error("cudawait::scheduler is already being driven (by another "
+                                  "thread, or re-entered from one of its own coroutines)");
+            }
+        }
+        loop_owner(const loop_owner&) = delete;
+        loop_owner& operator=(const loop_owner&) = delete;
+        ~loop_owner() { m_s.m_owner.store(std::thread::id{}); }
+
+    private:
+        scheduler& m_s;
+    };
+
+    bool add_stream_wait_local(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
+                               const char*& api) {
+        detail::stream_fifo* f = nullptr;
+        auto it = m_by_stream.find(s);
+        if (it != m_by_stream.end()) {
+            f = it->second;
+        } else {
+            int dev = 0;
+            if (cudaError_t st = cudaStreamGetDevice(s, &dev); st != cudaSuccess) {
+                return fail(status, api, st, "cudaStreamGetDevice");
+            }
+            f = new_fifo(s, dev);
+        }
+        detail::wait_node* n = new_node();
+        cudaEvent_t ev = nullptr;
+        if (cudaError_t st = take_event(f->device, ev); st != cudaSuccess) {
+            m_free_nodes.push_back(n);
+            drop_fifo_if_empty(f);
+            return fail(status, api, st, "cudaEventCreateWithFlags");
+        }
+        if (cudaError_t st = cudaEventRecord(ev, s); st != cudaSuccess) {
+            give_event(f->device, ev);
+            m_free_nodes.push_back(n);
+            drop_fifo_if_empty(f);
+            return fail(status, api, st, "cudaEventRecord");
+        }
+        n->event = ev;
+        n->device = f->device;
+        n->waiter = h;
+        n->status = &status;
+        api = "cudaEventQuery";
+        if (f->tail != nullptr) {
+            f->tail->next = n;
+        } else {
+            f->head = n;
+        }
+        f->tail = n;
+        ++m_stream_waits;
+        return true;
+    }
+
+    static bool fail(cudaError_t& status, const char*& api, cudaError_t st,
+                     const char* what) noexcept {
+        (void)cudaGetLastError();
+        status = st;
+        api = what;
+        return false;
+    }
+    template <class F>
+    bool post_or_fail(F&& f, cudaError_t& status, const char*& api) noexcept {
+        try {
+            post(std::function<void()>(std::forward<F>(f)));
+            return true;
+        } catch (...) {
+            return fail(status, api, cudaErrorMemoryAllocation, "scheduler::post");
+        }
+    }
+
+    [[nodiscard]] bool has_gpu_waits() const noexcept {
+        return m_stream_waits > 0 || !m_event_waits.empty();
+    }
+    [[nodiscard]] bool idle() const noexcept {
+        return !has_gpu_waits() && m_ready.empty() && m_live_timers == 0 && m_children == 0 &&
+               m_detached.load(std::memory_order_acquire) == 0 &&
+               !m_has_remote.load(std::memory_order_acquire);
+    }
+    void rethrow_detached_error() {
+        std::exception_ptr e;
+        {
+            std::lock_guard lock(m_error_mutex);
+            e = std::exchange(m_detached_error, nullptr);
+        }
+        if (e) {
+            std::rethrow_exception(e);
+        }
+    }
+
+    // ---- the loop --------------------------------------------------------------------------
+
+    bool step() {
+        bool progress = take_remote();
+        progress |= poll_streams();
+        progress |= poll_events();
+        progress |= fire_timers();
+        progress |= run_ready();
+        return progress;
+    }
+
+    bool take_remote() {
+        if (!m_has_remote.load(std::memory_order_acquire)) {
+            return false;
+        }
+        {
+            std::lock_guard lock(m_remote_mutex);
+            m_remote_batch.swap(m_remote);
+            m_has_remote.store(false, std::memory_order_relaxed);
+        }
+        for (auto& fn : m_remote_batch) {
+            if (fn) {
+                try {
+                    fn();
+                } catch (...) {
+                    std::lock_guard lock(m_error_mutex);
+                    if (!m_detached_error) {
+                        m_detached_error = std::current_exception();
+                    }
+                }
+            }
+        }
+        m_remote_batch.clear();
+        return true;
+    }
+
+    bool run_ready() {
+        if (m_ready.empty()) {
+            return false;
+        }
+        m_ready_batch.swap(m_ready);
+        for (std::coroutine_handle<> h : m_ready_batch) {
+            h.resume();
+        }
+        m_ready_batch.clear();
+        return true;
+    }
+
+    bool poll_streams() {
+        bool progress = false;
+        for (std::size_t i = 0; i < m_active.size();) {
+            detail::stream_fifo* f = m_active[i];
+            while (detail::wait_node* n = f->head) {
+                cudaError_t st = cudaEventQuery(n->event);
+                if (st == cudaErrorNotReady) {
+                    break;
+                }
+                f->head = n->next;
+                if (f->head == nullptr) {
+                    f->tail = nullptr;
+                }
+                --m_stream_waits;
+                complete(n, st);
+                progress = true;
+            }
+            if (f->head == nullptr) {
+                m_by_stream.erase(f->stream);
+                m_free_fifos.push_back(f);
+                m_active[i] = m_active.back();
+                m_active.pop_back();
+            } else {
+                ++i;
+            }
+        }
+        return progress;
+    }
+
+    bool poll_events() {
+        bool progress = false;
+        for (std::size_t i = 0; i < m_event_waits.size();) {
+            detail::wait_node* n = m_event_waits[i];
+            cudaError_t st = cudaEventQuery(n->event);
+            if (st == cudaErrorNotReady) {
+                ++i;
+                continue;
+            }
+            m_event_waits[i] = m_event_waits.back();
+            m_event_waits.pop_back();
+            complete(n, st);
+            progress = true;
+        }
+        return progress;
+    }
+
+    void complete(detail::wait_node* n, cudaError_t st) {
+        if (st != cudaSuccess) {
+            (void)cudaGetLastError();
+        }
+        *n->status = st;
+        m_ready.push_back(n->waiter);
+        if (n->device >= 0) {
+            give_event(n->device, n->event);
+        }
+        *n = detail::wait_node{};
+        m_free_nodes.push_back(n);
+    }
+
+    bool fire_timers() {
+        if (m_timers.empty()) {
+            return false;
+        }
+        bool progress = false;
+        auto now = clock::now();
+        while (!m_timers.empty() && m_timers.front()->deadline <= now) {
+            std::pop_heap(m_timers.begin(), m_timers.end(), timer_later{});
+            std::unique_ptr<detail::timer_node> t(m_timers.back());
+            m_timers.pop_back();
+            if (t->cancelled) {
+                continue;
+            }
+            --m_live_timers;
+            progress = true;
+            if (t->waiter) {
+                m_ready.push_back(t->waiter);
+            } else if (t->callback) {
+                t->callback();
+            }
+        }
+        return progress;
+    }
+
+    void wait_idle(clock::time_point last_progress, std::chrono::nanoseconds& backoff) {
+        drop_cancelled_timers();
+        const bool gpu = has_gpu_waits();
+        const bool timers = !m_timers.empty();
+        auto now = clock::now();
+        if (gpu) {
+            auto idle_for = now - last_progress;
+            if (idle_for < m_policy.spin) {
+                detail::cpu_relax();
+                return;
+            }
+            if (idle_for - m_policy.spin < m_policy.yield) {
+                std::this_thread::yield();
+                return;
+            }
+        }
+        std::unique_lock lock(m_remote_mutex);
+        if (m_has_remote.load(std::memory_order_relaxed)) {
+            return;
+        }
+        if (gpu) {
+            auto until = now + backoff;
+            if (timers) {
+                until = std::min(until, m_timers.front()->deadline);
+            }
+            m_remote_cv.wait_until(lock, until);
+            backoff = std::min(backoff * 2, m_policy.sleep_max);
+        } else if (timers) {
+            m_remote_cv.wait_until(lock, m_timers.front()->deadline);
+        } else {
+            m_remote_cv.wait(lock);
+        }
+    }
+
+    // ---- bookkeeping -----------------------------------------------------------------------
+
+    struct timer_later {
+        bool operator()(const detail::timer_node* a, const detail::timer_node* b) const noexcept {
+            return a->deadline != b->deadline ? a->deadline > b->deadline : a->seq > b->seq;
+        }
+    };
+    void push_timer(detail::timer_node* t) {
+        m_timers.push_back(t);
+        std::push_heap(m_timers.begin(), m_timers.end(), timer_later{});
+        ++m_live_timers;
+    }
+    void drop_cancelled_timers() {
+        while (!m_timers.empty() && m_timers.front()->cancelled) {
+            std::pop_heap(m_timers.begin(), m_timers.end(), timer_later{});
+            delete m_timers.back();
+            m_timers.pop_back();
+        }
+    }
+
+    detail::wait_node* new_node() {
+        if (m_free_nodes.empty()) {
+            m_node_storage.emplace_back();
+            return &m_node_storage.back();
+        }
+        detail::wait_node* n = m_free_nodes.back();
+        m_free_nodes.pop_back();
+        return n;
+    }
+
+    detail::stream_fifo* new_fifo(cudaStream_t s, int dev) {
+        detail::stream_fifo* f = nullptr;
+        if (m_free_fifos.empty()) {
+            m_fifo_storage.emplace_back();
+            f = &m_fifo_storage.back();
+        } else {
+            f = m_free_fifos.back();
+            m_free_fifos.pop_back();
+        }
+        *f = detail::stream_fifo{s, dev, nullptr, nullptr};
+        m_by_stream.emplace(s, f);
+        m_active.push_back(f);
+        return f;
+    }
+    void drop_fifo_if_empty(detail::stream_fifo* f) {
+        if (f->head != nullptr) {
+            return;
+        }
+        m_by_stream.erase(f->stream);
+        m_active.erase(std::find(m_active.begin(), m_active.end(), f));
+        m_free_fifos.push_back(f);
+    }
+
+    cudaError_t take_event(int dev, cudaEvent_t& ev) noexcept {
+        if (static_cast<std::size_t>(dev) < m_event_cache.size() &&
+            !m_event_cache[static_cast<std::size_t>(dev)].empty()) {
+            ev = m_event_cache[static_cast<std::size_t>(dev)].back();
+            m_event_cache[static_cast<std::size_t>(dev)].pop_back();
+            return cudaSuccess;
+        }
+        try {
+            if (static_cast<std::size_t>(dev) >= m_event_cache.size()) {
+                m_event_cache.resize(static_cast<std::size_t>(dev) + 1);
+            }
+            ev = event_pool::for_device(dev).acquire_raw();
+            return cudaSuccess;
+        } catch (const cuda_error& e) {
+            return e.status();
+        } catch (...) {
+            return cudaErrorMemoryAllocation;
+        }
+    }
+    void give_event(int dev, cudaEvent_t ev) { m_event_cache[static_cast<std::size_t>(dev)].push_back(ev); }
+
+    poll_policy m_policy;
+
+    // Loop-thread state.
+    std::vector<std::coroutine_handle<>> m_ready;
+    std::vector<std::coroutine_handle<>> m_ready_batch;
+    std::unordered_map<cudaStream_t, detail::stream_fifo*> m_by_stream;
+    std::vector<detail::stream_fifo*> m_active;
+    std::vector<detail::stream_fifo*> m_free_fifos;
+    std::deque<detail::stream_fifo> m_fifo_storage;
+    std::size_t m_stream_waits = 0;
+    std::vector<detail::wait_node*> m_event_waits;
+    std::vector<detail::wait_node*> m_free_nodes;
+    std::deque<detail::wait_node> m_node_storage;
+    std::vector<std::vector<cudaEvent_t>> m_event_cache;
+    std::vector<detail::timer_node*> m_timers;
+    std::size_t m_live_timers = 0;
+    std::uint64_t m_timer_seq = 0;
+    std::size_t m_children = 0;
+
+    // Shared with other threads.
+    std::mutex m_remote_mutex;
+    std::condition_variable m_remote_cv;
+    std::vector<std::function<void()>> m_remote;
+    std::vector<std::function<void()>> m_remote_batch;
+    std::atomic<bool> m_has_remote{false};
+    std::atomic<std::thread::id> m_owner{};
+    std::atomic<std::size_t> m_detached{0};
+    std::mutex m_error_mutex;
+    std::exception_ptr m_detached_error;
+};
+
+namespace detail {
+
+/// `co_await stream`: resumes once the work enqueued on the stream before the await finished.
+class stream_awaiter {
+public:
+    stream_awaiter(scheduler& s, cudaStream_t stream, std::source_location where) noexcept
+        : m_scheduler(&s), m_stream(stream), m_where(where) {}
+    bool await_ready() const noexcept { return false; }
+    bool await_suspend(std::coroutine_handle<> h) noexcept {
+        return m_scheduler->add_stream_wait(m_stream, h, m_status, m_api);
+    }
+    /// @throws cuda_error carrying the status the poll observed and this await's call site
+    void await_resume() const {
+        if (m_status != cudaSuccess) {
+            throw cuda_error(m_status, m_api, m_where);
+        }
+    }
+
+private:
+    scheduler* m_scheduler;
+    cudaStream_t m_stream;
+    std::source_location m_where;
+    cudaError_t m_status = cudaSuccess;
+    const char* m_api = nullptr;
+};
+
+/// `co_await event`: resumes once the event's captured work finished.
+class event_awaiter {
+public:
+    event_awaiter(scheduler& s, cudaEvent_t ev, std::source_location where) noexcept
+        : m_scheduler(&s), m_event(ev), m_where(where) {}
+    bool await_ready() const noexcept { return false; }
+    bool await_suspend(std::coroutine_handle<> h) noexcept {
+        return m_scheduler->add_event_wait(m_event, h, m_status, m_api);
+    }
+    /// @throws cuda_error carrying the status the poll observed and this await's call site
+    void await_resume() const {
+        if (m_status != cudaSuccess) {
+            throw cuda_error(m_status, m_api, m_where);
+        }
+    }
+
+private:
+    scheduler* m_scheduler;
+    cudaEvent_t m_event;
+    std::source_location m_where;
+    cudaError_t m_status = cudaSuccess;
+    const char* m_api = nullptr;
+};
+
+class sleep_awaiter {
+public:
+    sleep_awaiter(scheduler& s, std::chrono::nanoseconds d) noexcept : m_scheduler(&s), m_for(d) {}
+    bool await_ready() const noexcept { return m_for <= std::chrono::nanoseconds::zero(); }
+    void await_suspend(std::coroutine_handle<> h) {
+        m_scheduler->add_timer(std::chrono::steady_clock::now() + m_for, h);
+    }
+    void await_resume() const noexcept {}
+
+private:
+    scheduler* m_scheduler;
+    std::chrono::nanoseconds m_for;
+};
+
+struct schedule_awaitable {
+    scheduler* target;
+};
+
+class schedule_awaiter {
+public:
+    explicit schedule_awaiter(scheduler& s) noexcept : m_scheduler(&s) {}
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> h) { m_scheduler->post(h); }
+    void await_resume() const noexcept {}
+
+private:
+    scheduler* m_scheduler;
+};
+
+/// `co_await sleep_for(d)` before it is bound to a scheduler.
+struct sleep_request {
+    std::chrono::nanoseconds duration;
+};
+
+inline stream_awaiter await_on(promise_base& p, stream_ref s, std::source_location where) {
+    return stream_awaiter(p.require_scheduler(), s.get(), where);
+}
+inline event_awaiter await_on(promise_base& p, event_ref e, std::source_location where) {
+    return event_awaiter(p.require_scheduler(), e.get(), where);
+}
+inline sleep_awaiter await_on(promise_base& p, sleep_request r, std::source_location) {
+    return sleep_awaiter(p.require_scheduler(), r.duration);
+}
+inline schedule_awaiter await_on(promise_base& p, schedule_awaitable a, std::source_location) {
+    p.set_scheduler(a.target);
+    return schedule_awaiter(*a.target);
+}
+
+} // namespace detail
+
+inline detail::schedule_awaitable scheduler::schedule() noexcept { return {this}; }
+inline detail::stream_awaiter scheduler::wait(stream_ref s, std::source_location where) {
+    return detail::stream_awaiter(*this, s.get(), where);
+}
+inline detail::event_awaiter scheduler::wait(event_ref e, std::source_location where) {
+    return detail::event_awaiter(*this, e.get(), where);
+}
+inline detail::sleep_awaiter scheduler::sleep_for(std::chrono::nanoseconds d) {
+    return detail::sleep_awaiter(*this, d);
+}
+
+/// Inside a library coroutine: `co_await sleep_for(10ms)` resumes after at least `d`, without
+/// blocking the scheduler's thread.
+[[nodiscard]] inline detail::sleep_request sleep_for(std::chrono::nanoseconds d) noexcept {
+    return {d};
+}
+
+namespace detail {
+
+/// Shared between a with_timeout awaiter and the detached coroutine that awaits the work.
+template <class R>
+struct timeout_state {
+    result_slot<R> result;
+    bool done = false;
+    std::coroutine_handle<> waiter;
+    timer_node* timer = nullptr;
+    scheduler* sched = nullptr;
+
+    void complete(result_slot<R>&& r) {
+        result = std::move(r);
+        done = true;
+        sched->child_finished();
+        if (waiter) {
+            sched->cancel_timer(timer);
+            sched->resume_soon(std::exchange(waiter, {}));
+        }
+    }
+};
+
+template <class R>
+struct timeout_sink {
+    std::shared_ptr<timeout_state<R>> state;
+    void complete(result_slot<R>&& r) { state->complete(std::move(r)); }
+};
+
+template <class R>
+class timeout_awaiter {
+public:
+    timeout_awaiter(std::shared_ptr<timeout_state<R>> st, std::chrono::nanoseconds d)
+        : m_state(std::move(st)), m_after(d) {}
+    bool await_ready() const noexcept { return m_state->done; }
+    void await_suspend(std::coroutine_handle<> h) {
+        m_state->waiter = h;
+        std::weak_ptr<timeout_state<R>> weak = m_state;
+        m_state->timer = m_state->sched->add_timer(
+            std::chrono::steady_clock::now() + m_after, [weak] {
+                if (auto st = weak.lock(); st && st->waiter) {
+                    st->timer = nullptr;
+                    st->sched->resume_soon(std::exchange(st->waiter, {}));
+                }
+            });
+    }
+    R await_resume() {
+        if (!m_state->done) {
+            throw timeout_error(m_after);
+        }
+        return m_state->result.take();
+    }
+
+private:
+    std::shared_ptr<timeout_state<R>> m_state;
+    std::chrono::nanoseconds m_after;
+};
+
+} // namespace detail
+
+/// Awaits `work` (moved in) for at most `d`.
+///
+/// On expiry the awaiting coroutine gets `timeout_error`; the work itself is not cancelled. It
+/// goes on in a detached coroutine that the scheduler keeps tracking until it completes, so no
+/// event is recycled and no frame is freed while the GPU may still touch it. `work` is owned by
+/// that coroutine: it must not refer to the caller's locals, which may be gone by then.
+/// @throws timeout_error, or whatever `work` throws
+template <class A>
+task<detail::awaited_t<A>> with_timeout(A work, std::chrono::nanoseconds d) {
+    using R = detail::awaited_t<A>;
+    scheduler& s = co_await this_scheduler();
+    if (!s.on_loop_thread()) {
+        co_await s.schedule();
+    }
+    auto state = std::make_shared<detail::timeout_state<R>>();
+    state->sched = &s;
+    auto child = detail::run_detached<R>(std::move(work), detail::timeout_sink<R>{state});
+    child.handle().promise().set_scheduler(&s);
+    s.child_started();
+    child.handle().resume();
+    if constexpr (std::is_void_v<R>) {
+        co_await detail::timeout_awaiter<R>(state, d);
+    } else {
+        co_return co_await detail::timeout_awaiter<R>(state, d);
+    }
+}
+
+} // namespace cudawait

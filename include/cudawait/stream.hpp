@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   class stream_ref;  trivially copyable view of a cudaStream_t; converts to and from
+//                      cudaStream_t and (when libcu++ is on the include path) cuda::stream_ref
+//   class stream;      owning, non-blocking stream with a priority; synchronised before it is
+//                      destroyed; release() / from_native_handle() hand ownership across
+//
+// Inside a task, `co_await s` resumes once all work enqueued on `s` before the await finished
+// (scheduler.hpp).
+
+#include <cudawait/device.hpp>
+#include <cudawait/error.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <source_location>
+#include <utility>
+
+#include <cuda_runtime_api.h>
+
+#if __has_include(<cuda/stream_ref>)
+#include <cuda/stream_ref>
+#define CUDAWAIT_HAS_CUDA_STREAM_REF 1
+#else
+#define CUDAWAIT_HAS_CUDA_STREAM_REF 0
+#endif
+
+namespace cudawait {
+
+namespace detail {
+/// Streams created by the library and not yet destroyed (leak checks in tests).
+inline std::atomic<long> g_live_streams{0};
+} // namespace detail
+
+/// A non-owning view of a CUDA stream. Cheap to copy; never destroys the stream.
+class stream_ref {
+public:
+    /// Wraps a raw handle. `cudaStreamPerThread` is accepted; the legacy default stream has to
+    /// be named explicitly with `cudaStreamLegacy` (an int or nullptr will not convert).
+    constexpr stream_ref(cudaStream_t handle) noexcept : m_handle(handle) {}
+    stream_ref(int) = delete;
+    stream_ref(std::nullptr_t) = delete;
+#if CUDAWAIT_HAS_CUDA_STREAM_REF
+    constexpr stream_ref(::cuda::stream_ref s) noexcept : m_handle(s.get()) {}
+    constexpr operator ::cuda::stream_ref() const noexcept { return ::cuda::stream_ref(m_handle); }
+#endif
+
+    [[nodiscard]] constexpr cudaStream_t get() const noexcept { return m_handle; }
+    constexpr operator cudaStream_t() const noexcept { return m_handle; }
+
+    /// True when all work enqueued so far has completed.
+    /// @throws cuda_error for any status other than success and cudaErrorNotReady
+    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
+        cudaError_t st = cudaStreamQuery(m_handle);
+        if (st == cudaErrorNotReady) {
+            return false;
+        }
+        check(st, "cudaStreamQuery", where);
+        return true;
+    }
+
+    /// Blocks the calling thread until the stream is idle. Prefer `co_await` in a task.
+    /// @throws cuda_error
+    void sync(std::source_location where = std::source_location::current()) const {
+        check(cudaStreamSynchronize(m_handle), "cudaStreamSynchronize", where);
+    }
+
+    /// Makes later work on this stream wait for `event` (`cudaStreamWaitEvent`); the host does
+    /// not block.
+    /// @throws cuda_error
+    void wait(cudaEvent_t event, std::source_location where = std::source_location::current()) const {
+        check(cudaStreamWaitEvent(m_handle, event, 0), "cudaStreamWaitEvent", where);
+    }
+
+    /// The device the stream belongs to.
+    /// @throws cuda_error
+    [[nodiscard]] int device(std::source_location where = std::source_location::current()) const {
+        int dev = 0;
+        check(cudaStreamGetDevice(m_handle, &dev), "cudaStreamGetDevice", where);
+        return dev;
+    }
+
+    /// The stream's priority (lower numbers run first).
+    /// @throws cuda_error
+    [[nodiscard]] int priority(std::source_location where = std::source_location::current()) const {
+        int p = 0;
+        check(cudaStreamGetPriority(m_handle, &p), "cudaStreamGetPriority", where);
+        return p;
+    }
+
+    friend constexpr bool operator==(stream_ref, stream_ref) noexcept = default;
+
+private:
+    cudaStream_t m_handle;
+};
+
+/// The highest stream priority `dev` supports (numerically the lowest value).
+/// @throws cuda_error
+[[nodiscard]] inline int priority_high(device_ref dev) { return dev.stream_priorities().greatest; }
+/// The lowest stream priority `dev` supports; also the default priority.
+/// @throws cuda_error
+[[nodiscard]] inline int priority_low(device_ref dev) { return dev.stream_priorities().least; }
+
+/// An owning CUDA stream, always created with `cudaStreamNonBlocking` so that it never
+/// synchronises implicitly with the legacy default stream.
+///
+/// Move-only. Destruction synchronises the stream first, so work still in flight never outlives
+/// the handle it runs on. Using a moved-from stream throws `usage_error`.
+class stream {
+public:
+    /// Creates a non-blocking stream on `dev` with `priority` (clamped by the driver to the
+    /// device's range; see priority_high / priority_low).
+    /// @throws cuda_error
+    explicit stream(device_ref dev, int priority = 0,
+                    std::source_location where = std::source_location::current()) {
+        device_guard guard(dev, where);
+        check(cudaStreamCreateWithPriority(&m_handle, cudaStreamNonBlocking, priority),
+              "cudaStreamCreateWithPriority", where);
+        detail::g_live_streams.fetch_add(1, std::memory_order_relaxed);
+    }
+
+    /// Creates a non-blocking stream on the current device.
+    /// @throws cuda_error
+    explicit stream(std::source_location where = std::source_location::current())
+        : stream(current_device(where), 0, where) {}
+
+    stream(const stream&) = delete;
+    stream& operator=(const stream&) = delete;
+    stream(stream&& other) noexcept : m_handle(std::exchange(other.m_handle, nullptr)) {}
+    stream& operator=(stream&& other) noexcept {
+        if (this != &other) {
+            destroy();
+            m_handle = std::exchange(other.m_handle, nullptr);
+        }
+        return *this;
+    }
+    ~stream() { destroy(); }
+
+    /// Takes ownership of `handle`, which must have been created by cudaStreamCreate*.
+    [[nodiscard]] static stream from_native_handle(cudaStream_t handle) {
+        if (handle == nullptr) {
+            throw usage_error("stream::from_native_handle: null handle");
+        }
+        detail::g_live_streams.fetch_add(1, std::memory_order_relaxed);
+        return stream(handle);
+    }
+
+    /// Gives up ownership: the caller destroys the returned handle.
+    [[nodiscard]] cudaStream_t release() noexcept {
+        if (m_handle != nullptr) {
+            detail::g_live_streams.fetch_sub(1, std::memory_order_relaxed);
+        }
+        return std::exchange(m_handle, nullptr);
+    }
+
+    /// @throws usage_error on a moved-from stream
+    [[nodiscard]] cudaStream_t get() const {
+        if (m_handle == nullptr) {
+            throw usage_error("cudawait::stream used after it was moved from or released");
+        }
+        return m_handle;
+    }
+    /// @throws usage_error on a moved-from stream
+    [[nodiscard]] stream_ref ref() const { return stream_ref(get()); }
+    /// @throws usage_error on a moved-from stream
+    operator stream_ref() const { return ref(); }
+#if CUDAWAIT_HAS_CUDA_STREAM_REF
+    operator ::cuda::stream_ref() const { return ::cuda::stream_ref(get()); }
+#endif
+    [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
+
+    /// @copydoc stream_ref::ready
+    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
+        return ref().ready(where);
+    }
+    /// @copydoc stream_ref::sync
+    void sync(std::source_location where = std::source_location::current()) const {
+        ref().sync(where);
+    }
+    /// @copydoc stream_ref::wait
+    void wait(cudaEvent_t event, std::source_location where = std::source_location::current()) const {
+        ref().wait(event, where);
+    }
+    /// @copydoc stream_ref::device
+    [[nodiscard]] int device(std::source_location where = std::source_location::current()) const {
+        return ref().device(where);
+    }
+    /// @copydoc stream_ref::priority
+    [[nodiscard]] int priority(std::source_location where = std::source_location::current()) const {
+        return ref().priority(where);
+    }
+
+    /// Streams created through this class (or adopted) and not yet destroyed or released.
+    [[nodiscard]] static long live_count() noexcept {
+        return detail::g_live_streams.load(std::memory_order_relaxed);
+    }
+
+private:
+    explicit stream(cudaStream_t adopted) noexcept : m_handle(adopted) {}
+
+    void destroy() noexcept {
+        if (m_handle == nullptr) {
+            return;
+        }
+        detail::report(cudaStreamSynchronize(m_handle), "cudaStreamSynchronize");
+        detail::report(cudaStreamDestroy(m_handle), "cudaStreamDestroy");
+        detail::g_live_streams.fetch_sub(1, std::memory_order_relaxed);
+        m_handle = nullptr;
+    }
+
+    cudaStream_t m_handle = nullptr;
+};
+
+} // namespace cudawait
