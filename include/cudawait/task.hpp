@@ -30,6 +30,29 @@ class scheduler;
 
 namespace detail {
 
+template <class A>
+decltype(auto) get_awaiter(A&& a) {
+    if constexpr (requires { std::forward<A>(a).operator co_await(); }) {
+        return std::forward<A>(a).operator co_await();
+    } else if constexpr (requires { operator co_await(std::forward<A>(a)); }) {
+        return operator co_await(std::forward<A>(a));
+    } else {
+        return std::forward<A>(a);
+    }
+}
+
+/// Forwards to an awaiter held by reference.
+template <class Awaiter>
+struct awaiter_ref {
+    Awaiter& awaiter;
+    decltype(auto) await_ready() { return awaiter.await_ready(); }
+    template <class P>
+    decltype(auto) await_suspend(std::coroutine_handle<P> h) {
+        return awaiter.await_suspend(h);
+    }
+    decltype(auto) await_resume() { return awaiter.await_resume(); }
+};
+
 template <class Dependent, class T>
 struct dependent {
     using type = T;
@@ -69,7 +92,16 @@ public:
         } else if constexpr (std::is_convertible_v<A, event_ref>) {
             return await_on(self, event_ref(a), where);
         } else {
-            return std::forward<A>(a);
+            // Awaiters are handed back by value. g++ 12 copies an awaiter returned by lvalue
+            // reference from await_transform (which breaks non-copyable awaiters), so an lvalue
+            // awaiter travels behind a small forwarding wrapper instead.
+            using awaiter_type = decltype(get_awaiter(std::forward<A>(a)));
+            if constexpr (std::is_lvalue_reference_v<awaiter_type>) {
+                return awaiter_ref<std::remove_reference_t<awaiter_type>>{
+                    get_awaiter(std::forward<A>(a))};
+            } else {
+                return std::remove_cvref_t<awaiter_type>(get_awaiter(std::forward<A>(a)));
+            }
         }
     }
 
@@ -290,17 +322,6 @@ inline this_scheduler_awaiter await_on(promise_base& p, this_scheduler_t, std::s
 /// What `co_await a` yields for an awaitable `a` inside a library coroutine.
 template <class A>
 using await_result_t = decltype(std::declval<promise_base&>().await_transform(std::declval<A>()));
-
-template <class A>
-decltype(auto) get_awaiter(A&& a) {
-    if constexpr (requires { std::forward<A>(a).operator co_await(); }) {
-        return std::forward<A>(a).operator co_await();
-    } else if constexpr (requires { operator co_await(std::forward<A>(a)); }) {
-        return operator co_await(std::forward<A>(a));
-    } else {
-        return std::forward<A>(a);
-    }
-}
 
 /// The type `co_await a` produces inside a library coroutine.
 template <class A>

@@ -1,0 +1,70 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Shared by the GPU tests: a fixture that skips (with the reason) where no device is present,
+// and checks that nothing the library created leaked by the end of each test.
+
+#include <cudawait/device.hpp>
+#include <cudawait/event.hpp>
+#include <cudawait/stream.hpp>
+
+#include <string>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+namespace cudawait::testing {
+
+/// Why there is no usable device, or an empty string when there is one.
+inline std::string no_device_reason() {
+    int n = 0;
+    cudaError_t st = cudaGetDeviceCount(&n);
+    if (st != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::string("no usable CUDA device: cudaGetDeviceCount returned ") +
+               cudaGetErrorName(st);
+    }
+    if (n == 0) {
+        return "no CUDA device present";
+    }
+    return {};
+}
+
+/// Events the library owns that are neither cached in a pool nor borrowed: must stay zero.
+inline long unaccounted_events() {
+    long cached = 0;
+    long outstanding = 0;
+    for (int d = 0; d < try_device_count(); ++d) {
+        cached += static_cast<long>(event_pool::for_device(d).cached());
+        outstanding += event_pool::for_device(d).outstanding();
+    }
+    return event::live_count() - cached - outstanding;
+}
+
+class gpu_test : public ::testing::Test {
+protected:
+    void SetUp() override {
+        if (std::string why = no_device_reason(); !why.empty()) {
+            GTEST_SKIP() << why;
+        }
+        m_streams_before = stream::live_count();
+        m_events_before = unaccounted_events();
+        m_outstanding_before = event_pool::for_device(0).outstanding();
+    }
+    void TearDown() override {
+        if (IsSkipped()) {
+            return;
+        }
+        EXPECT_EQ(stream::live_count(), m_streams_before) << "streams leaked";
+        EXPECT_EQ(unaccounted_events(), m_events_before) << "events leaked";
+        EXPECT_EQ(event_pool::for_device(0).outstanding(), m_outstanding_before)
+            << "pooled events not given back";
+    }
+
+private:
+    long m_streams_before = 0;
+    long m_events_before = 0;
+    long m_outstanding_before = 0;
+};
+
+} // namespace cudawait::testing

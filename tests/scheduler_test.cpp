@@ -1,0 +1,572 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <cudawait/scheduler.hpp>
+
+#include <cudawait/scope.hpp>
+#include <cudawait/stream.hpp>
+#include <cudawait/sync_wait.hpp>
+#include <cudawait/task.hpp>
+#include <cudawait/when_all.hpp>
+
+#include "gpu_fixture.hpp"
+#include "host_signal.hpp"
+#include "test_kernels.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <memory>
+#include <random>
+#include <source_location>
+#include <stdexcept>
+#include <stop_token>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace std::chrono_literals;
+using cudawait::async_scope;
+using cudawait::check;
+using cudawait::cuda_error;
+using cudawait::poll_policy;
+using cudawait::scheduler;
+using cudawait::sleep_for;
+using cudawait::stream;
+using cudawait::sync_wait;
+using cudawait::task;
+using cudawait::timeout_error;
+using cudawait::usage_error;
+using cudawait::with_timeout;
+using cudawait::testing::host_signal;
+using clock_type = std::chrono::steady_clock;
+
+std::chrono::nanoseconds thread_cpu_time() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+}
+
+// ---- host logic (runs without a GPU) --------------------------------------------------------
+
+TEST(scheduler, post_is_thread_safe) {
+    scheduler s;
+    constexpr int threads = 8;
+    constexpr int per_thread = 2000;
+    long count = 0;  // touched only on the loop thread
+    std::vector<std::jthread> posters;
+    for (int t = 0; t < threads; ++t) {
+        posters.emplace_back([&s, &count] {
+            for (int i = 0; i < per_thread; ++i) {
+                s.post([&count] { ++count; });
+            }
+        });
+    }
+    s.run_until([&] { return count == threads * per_thread; });
+    EXPECT_EQ(count, threads * per_thread);
+}
+
+TEST(scheduler, host_completed_awaitables_resume_on_the_loop_thread) {
+    scheduler s;
+    host_signal sig(s);
+    std::thread::id resumed_on;
+    auto waiter = [&]() -> task<int> {
+        co_await sig;
+        resumed_on = std::this_thread::get_id();
+        co_return 7;
+    };
+    std::jthread firer([&] {
+        std::this_thread::sleep_for(20ms);
+        sig.fire();
+    });
+    EXPECT_EQ(sync_wait(s, waiter()), 7);
+    EXPECT_EQ(resumed_on, std::this_thread::get_id());
+}
+
+TEST(scheduler, schedule_hops_between_threads) {
+    scheduler main_loop;
+    scheduler other;
+    std::stop_source stop;
+    std::thread::id other_id;
+    std::jthread driver([&] {
+        other_id = std::this_thread::get_id();
+        other.run(stop.get_token());
+    });
+    auto hopper = [&]() -> task<bool> {
+        const auto start = std::this_thread::get_id();
+        co_await other.schedule();
+        const auto there = std::this_thread::get_id();
+        scheduler* bound = &(co_await cudawait::this_scheduler());
+        co_await sleep_for(1ms);  // timers now belong to `other`
+        const auto after_sleep = std::this_thread::get_id();
+        co_await main_loop.schedule();
+        const auto back = std::this_thread::get_id();
+        co_return start != there && there == after_sleep && back == start && bound == &other;
+    };
+    EXPECT_TRUE(sync_wait(main_loop, hopper()));
+    stop.request_stop();
+    driver.join();
+    EXPECT_NE(other_id, std::thread::id{});
+}
+
+TEST(scheduler, timers_fire_in_deadline_order_and_not_early) {
+    scheduler s;
+    std::vector<int> order;
+    auto sleeper = [&](int ms) -> task<> {
+        const auto t0 = clock_type::now();
+        co_await sleep_for(std::chrono::milliseconds(ms));
+        EXPECT_GE(clock_type::now() - t0, std::chrono::milliseconds(ms));
+        order.push_back(ms);
+    };
+    sync_wait(s, cudawait::when_all(sleeper(30), sleeper(10), sleeper(20), sleeper(0)));
+    EXPECT_EQ(order, (std::vector<int>{0, 10, 20, 30}));
+}
+
+TEST(scheduler, spawn_is_thread_safe_and_run_rethrows_detached_errors) {
+    scheduler s;
+    std::atomic<int> finished{0};
+    auto work = [&](int i) -> task<> {
+        co_await sleep_for(std::chrono::microseconds(i % 7));
+        finished.fetch_add(1);
+        if (i == 123) {
+            throw std::runtime_error("detached failure");
+        }
+    };
+    std::vector<std::jthread> spawners;
+    for (int t = 0; t < 4; ++t) {
+        spawners.emplace_back([&, t] {
+            for (int i = t * 100; i < (t + 1) * 100; ++i) {
+                s.spawn(work(i));
+            }
+        });
+    }
+    spawners.clear();  // joins
+    EXPECT_THROW(s.run(), std::runtime_error);
+    EXPECT_EQ(finished.load(), 400);
+    EXPECT_NO_THROW(s.run());  // the error was reported once
+}
+
+TEST(scheduler, with_timeout_throws_and_keeps_tracking_the_work) {
+    scheduler s;
+    auto flag = std::make_shared<std::atomic<bool>>(false);
+    auto slow = [](std::shared_ptr<std::atomic<bool>> f) -> task<int> {
+        co_await sleep_for(150ms);
+        f->store(true);
+        co_return 5;
+    };
+    auto body = [&]() -> task<bool> {
+        const auto t0 = clock_type::now();
+        try {
+            (void)co_await with_timeout(slow(flag), 20ms);
+        } catch (const timeout_error& e) {
+            const auto waited = clock_type::now() - t0;
+            co_return e.after() == 20ms && waited >= 20ms && waited < 140ms && !flag->load();
+        }
+        co_return false;
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
+    // The slow work goes on under the scheduler's care.
+    EXPECT_FALSE(flag->load());
+    EXPECT_GE(s.pending().timers, 1u);
+    s.run();
+    EXPECT_TRUE(flag->load());
+    EXPECT_EQ(s.pending().timers, 0u);
+}
+
+TEST(scheduler, with_timeout_passes_values_and_exceptions_through) {
+    scheduler s;
+    auto quick = []() -> task<int> {
+        co_await sleep_for(1ms);
+        co_return 11;
+    };
+    auto failing = []() -> task<int> {
+        co_await sleep_for(1ms);
+        throw std::invalid_argument("bad");
+    };
+    auto body = [&]() -> task<int> {
+        int v = co_await with_timeout(quick(), 5s);
+        try {
+            (void)co_await with_timeout(failing(), 5s);
+        } catch (const std::invalid_argument&) {
+            v += 100;
+        }
+        co_await with_timeout(sleep_for(1ms), 5s);
+        co_return v;
+    };
+    const auto t0 = clock_type::now();
+    EXPECT_EQ(sync_wait(s, body()), 111);
+    EXPECT_LT(clock_type::now() - t0, 2s) << "a cancelled timeout timer must not hold the loop";
+    EXPECT_EQ(s.pending().timers, 0u);
+}
+
+TEST(scheduler, idle_scheduler_blocks_instead_of_polling) {
+    scheduler s(poll_policy::spinning());
+    std::stop_source stop;
+    std::chrono::nanoseconds cpu{};
+    std::jthread driver([&] {
+        const auto c0 = thread_cpu_time();
+        s.run(stop.get_token());
+        cpu = thread_cpu_time() - c0;
+    });
+    std::this_thread::sleep_for(200ms);
+    stop.request_stop();
+    driver.join();
+    // With nothing pending even a spinning policy must not burn the core.
+    EXPECT_LT(cpu, 50ms);
+}
+
+TEST(scheduler, policies_have_the_documented_shape) {
+    constexpr auto spin = poll_policy::spinning();
+    constexpr auto yield = poll_policy::yielding();
+    constexpr auto sleep = poll_policy::sleeping(10us, 500us);
+    constexpr auto balanced = poll_policy::balanced();
+    static_assert(spin.spin > 1h && spin.yield == 0ns);
+    static_assert(yield.spin == 0ns && yield.yield > 1h);
+    static_assert(sleep.spin == 0ns && sleep.yield == 0ns && sleep.sleep_min == 10us &&
+                  sleep.sleep_max == 500us);
+    static_assert(balanced.spin > 0ns && balanced.yield > 0ns &&
+                  balanced.sleep_min <= balanced.sleep_max);
+    scheduler s(sleep);
+    EXPECT_EQ(s.policy().sleep_max, 500us);
+    s.set_policy(spin);
+    EXPECT_GT(s.policy().spin, 1h);
+}
+
+TEST(scheduler, driving_from_two_threads_is_a_usage_error) {
+    scheduler s;
+    std::stop_source stop;
+    std::atomic<bool> running{false};
+    std::jthread driver([&] {
+        s.post([&running] { running = true; });
+        s.run(stop.get_token());
+    });
+    while (!running) {
+        std::this_thread::yield();
+    }
+    EXPECT_THROW(s.poll(), usage_error);
+    auto nothing = []() -> task<int> { co_return 1; };
+    EXPECT_THROW(sync_wait(s, nothing()), usage_error);
+    stop.request_stop();
+}
+
+TEST(scheduler, sync_wait_from_inside_its_own_loop_is_a_usage_error) {
+    scheduler s;
+    auto inner = []() -> task<int> { co_return 1; };
+    auto outer = [&]() -> task<bool> {
+        try {
+            (void)sync_wait(s, inner());
+        } catch (const usage_error&) {
+            co_return true;
+        }
+        co_return false;
+    };
+    EXPECT_TRUE(sync_wait(s, outer()));
+}
+
+TEST(scheduler, exceptions_from_posted_functions_reach_run) {
+    scheduler s;
+    s.post([] { throw std::domain_error("posted"); });
+    EXPECT_THROW(s.run(), std::domain_error);
+}
+
+TEST(scheduler, non_task_coroutines_can_await_through_the_scheduler) {
+    // A bare coroutine type of the user's own, not derived from the library's promise.
+    struct bare {
+        struct promise_type {
+            bare get_return_object() { return {}; }
+            std::suspend_never initial_suspend() noexcept { return {}; }
+            std::suspend_never final_suspend() noexcept { return {}; }
+            void return_void() {}
+            void unhandled_exception() { std::terminate(); }
+        };
+    };
+    scheduler s;
+    bool done = false;
+    auto body = [](scheduler& sch, bool& flag) -> bare {
+        co_await sch.sleep_for(2ms);
+        flag = true;
+    };
+    s.post([&] { body(s, done); });
+    s.run_until([&] { return done; });
+    EXPECT_TRUE(done);
+}
+
+// ---- GPU ------------------------------------------------------------------------------------
+
+class scheduler_gpu : public cudawait::testing::gpu_test {};
+
+struct mapped_words {
+    explicit mapped_words(std::size_t n) : count(n) {
+        check(cudaHostAlloc(&host, n * sizeof(std::uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
+        check(cudaHostGetDevicePointer(&device, host, 0), "cudaHostGetDevicePointer");
+        for (std::size_t i = 0; i < n; ++i) {
+            host[i] = 0xBADC0DEu;
+        }
+    }
+    mapped_words(const mapped_words&) = delete;
+    mapped_words& operator=(const mapped_words&) = delete;
+    ~mapped_words() { cudawait::detail::report(cudaFreeHost(host), "cudaFreeHost"); }
+    std::uint32_t read(std::size_t i) const { return reinterpret_cast<volatile std::uint32_t*>(host)[i]; }
+    std::uint32_t* host = nullptr;
+    std::uint32_t* device = nullptr;
+    std::size_t count;
+};
+
+TEST_F(scheduler_gpu, stream_await_resumes_after_the_work_before_it) {
+    scheduler s;
+    stream st;
+    mapped_words out(1);
+    auto body = [&]() -> task<std::uint32_t> {
+        check(cudawait::testing::launch_spin(20'000'000, out.device, 0xA11CEu, st.get()), "launch");
+        co_await st;
+        co_return out.read(0);
+    };
+    EXPECT_EQ(sync_wait(s, body()), 0xA11CEu);
+    EXPECT_EQ(s.pending().stream_waits, 0u);
+}
+
+TEST_F(scheduler_gpu, awaits_on_one_stream_resume_in_enqueue_order) {
+    scheduler s;
+    stream st;
+    mapped_words out(2);
+    std::vector<int> order;
+    auto first = [&]() -> task<> {
+        check(cudawait::testing::launch_spin(10'000'000, out.device, 1, st.get()), "launch");
+        co_await st;
+        EXPECT_EQ(out.read(0), 1u);
+        order.push_back(1);
+    };
+    auto second = [&]() -> task<> {
+        check(cudawait::testing::launch_spin(1'000'000, out.device + 1, 2, st.get()), "launch");
+        co_await st;
+        EXPECT_EQ(out.read(0), 1u);
+        EXPECT_EQ(out.read(1), 2u);
+        order.push_back(2);
+    };
+    sync_wait(s, cudawait::when_all(first(), second()));
+    EXPECT_EQ(order, (std::vector<int>{1, 2}));
+}
+
+TEST_F(scheduler_gpu, awaits_on_different_streams_resume_as_their_work_finishes) {
+    scheduler s;
+    stream slow_stream;
+    stream fast_stream;
+    mapped_words out(2);
+    std::vector<int> order;
+    auto slow = [&]() -> task<> {
+        check(cudawait::testing::launch_spin(60'000'000, out.device, 1, slow_stream.get()), "launch");
+        co_await slow_stream;
+        order.push_back(1);
+    };
+    auto fast = [&]() -> task<> {
+        check(cudawait::testing::launch_spin(1'000'000, out.device + 1, 2, fast_stream.get()), "launch");
+        co_await fast_stream;
+        EXPECT_NE(out.read(0), 1u) << "the slow kernel should still be running";
+        order.push_back(2);
+    };
+    sync_wait(s, cudawait::when_all(slow(), fast()));
+    EXPECT_EQ(order, (std::vector<int>{2, 1}));
+}
+
+TEST_F(scheduler_gpu, event_awaits) {
+    scheduler s;
+    stream st;
+    mapped_words out(1);
+    cudawait::event ev;
+    cudawait::event never_recorded;
+    auto body = [&]() -> task<std::uint32_t> {
+        co_await never_recorded;  // complete by definition
+        check(cudawait::testing::launch_spin(20'000'000, out.device, 0xE7u, st.get()), "launch");
+        ev.record(st);
+        co_await ev;
+        const std::uint32_t first = out.read(0);
+        cudaEvent_t raw = ev.get();
+        co_await raw;  // raw handles work too
+        co_return first;
+    };
+    EXPECT_EQ(sync_wait(s, body()), 0xE7u);
+    EXPECT_EQ(s.pending().event_waits, 0u);
+}
+
+TEST_F(scheduler_gpu, events_of_every_device_are_awaited_from_one_scheduler) {
+    const int n = cudawait::device_count();
+    scheduler s;
+    std::vector<stream> streams;
+    std::vector<std::unique_ptr<mapped_words>> outs;
+    for (int d = 0; d < n; ++d) {
+        streams.emplace_back(cudawait::device_ref(d));
+        outs.push_back(std::make_unique<mapped_words>(1));
+    }
+    auto on_device = [&](int d) -> task<std::uint32_t> {
+        {
+            cudawait::device_guard g{cudawait::device_ref(d)};
+            check(cudawait::testing::launch_spin(5'000'000, outs[d]->device, 100u + d,
+                                                 streams[d].get()),
+                  "launch");
+        }
+        co_await streams[d];
+        co_return outs[d]->read(0);
+    };
+    std::vector<task<std::uint32_t>> work;
+    for (int d = 0; d < n; ++d) {
+        work.push_back(on_device(d));
+    }
+    auto results = sync_wait(s, cudawait::when_all(std::move(work)));
+    for (int d = 0; d < n; ++d) {
+        EXPECT_EQ(results[d], 100u + d) << "device " << d;
+    }
+}
+
+// 10,000 coroutines over 64 streams, each awaiting 100 kernels, every element checked after
+// every await: a kernel mixes the coroutine's words on the device, a copy brings them back to
+// pinned memory, and the coroutine resumes only after both, so its host model must match.
+TEST_F(scheduler_gpu, ten_thousand_coroutines_on_64_streams) {
+    constexpr int coroutines = 10'000;
+    constexpr int nstreams = 64;
+    constexpr int rounds = 100;
+    constexpr std::size_t words = 32;
+    scheduler s;
+    std::vector<stream> streams(nstreams);
+    std::uint32_t* dev = nullptr;
+    std::uint32_t* pinned = nullptr;
+    const std::size_t total = static_cast<std::size_t>(coroutines) * words;
+    check(cudaMalloc(&dev, total * sizeof(std::uint32_t)), "cudaMalloc");
+    check(cudaHostAlloc(&pinned, total * sizeof(std::uint32_t), cudaHostAllocDefault), "cudaHostAlloc");
+    std::vector<std::uint32_t> model(total);
+    std::mt19937 rng(20261129);
+    for (auto& w : model) {
+        w = rng();
+    }
+    check(cudaMemcpy(dev, model.data(), total * sizeof(std::uint32_t), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+    std::fill(pinned, pinned + total, 0xBADC0DEu);
+    std::atomic<long> mismatches{0};
+    std::atomic<long> awaits{0};
+
+    auto worker = [&](int id) -> task<> {
+        stream& st = streams[id % nstreams];
+        std::uint32_t* d = dev + static_cast<std::size_t>(id) * words;
+        std::uint32_t* h = pinned + static_cast<std::size_t>(id) * words;
+        std::uint32_t* m = model.data() + static_cast<std::size_t>(id) * words;
+        for (int r = 0; r < rounds; ++r) {
+            const auto salt = static_cast<std::uint32_t>(id * 7919 + r * 104729);
+            check(cudawait::testing::launch_mix(d, words, salt, st.get()), "launch_mix");
+            check(cudaMemcpyAsync(h, d, words * sizeof(std::uint32_t), cudaMemcpyDeviceToHost,
+                                  st.get()),
+                  "cudaMemcpyAsync");
+            co_await st;
+            cudawait::testing::mix_on_host(m, words, salt);
+            for (std::size_t i = 0; i < words; ++i) {
+                if (h[i] != m[i]) {
+                    mismatches.fetch_add(1);
+                }
+                h[i] = 0xBADC0DEu;  // poison again: the next round must overwrite it
+            }
+            awaits.fetch_add(1);
+        }
+    };
+    std::vector<task<>> all;
+    all.reserve(coroutines);
+    for (int i = 0; i < coroutines; ++i) {
+        all.push_back(worker(i));
+    }
+    sync_wait(s, cudawait::when_all(std::move(all)));
+    EXPECT_EQ(awaits.load(), static_cast<long>(coroutines) * rounds);
+    EXPECT_EQ(mismatches.load(), 0);
+    const auto p = s.pending();
+    EXPECT_EQ(p.stream_waits, 0u);
+    EXPECT_EQ(p.streams, 0u);
+    check(cudaFree(dev), "cudaFree");
+    check(cudaFreeHost(pinned), "cudaFreeHost");
+}
+
+// The line of the co_await in fault_child, checked against the error's call site.
+unsigned g_fault_await_line = 0;
+
+task<> await_faulting_kernel(stream& st) {
+    check(cudawait::testing::launch_fault(st.get()), "launch_fault");
+    g_fault_await_line = std::source_location::current().line() + 1;
+    co_await st;
+}
+
+[[noreturn]] void fault_child() {
+    scheduler s;
+    stream st;
+    try {
+        sync_wait(s, await_faulting_kernel(st));
+        std::fprintf(stderr, "no error observed\n");
+    } catch (const cuda_error& e) {
+        const bool ok = (e.status() == cudaErrorIllegalAddress ||
+                         e.status() == cudaErrorLaunchFailure) &&
+                        e.sticky() && std::string(e.api()) == "cudaEventQuery" &&
+                        e.where().line() == g_fault_await_line &&
+                        std::string(e.where().file_name()).find("scheduler_test.cpp") !=
+                            std::string::npos;
+        std::fprintf(stderr, "%s\n%s\n", e.what(), ok ? "fault observed at the co_await" : "wrong details");
+        std::fflush(stderr);
+        std::_Exit(ok ? 0 : 1);
+    }
+    std::_Exit(2);
+}
+
+TEST_F(scheduler_gpu, a_kernel_fault_is_thrown_at_the_awaiting_co_await) {
+    // The fault kills the CUDA context, so it happens in a fresh child process.
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(fault_child(), ::testing::ExitedWithCode(0), "fault observed at the co_await");
+}
+
+TEST_F(scheduler_gpu, timeout_on_a_spinning_kernel_keeps_its_event_tracked) {
+    scheduler s;
+    stream st;
+    mapped_words flag(1);
+    flag.host[0] = 0;
+    auto& pool = cudawait::event_pool::for_device(0);
+    const long outstanding = pool.outstanding();
+    auto body = [&]() -> task<bool> {
+        // Spins until the host raises the flag (or 20 s pass, so a broken test cannot hang).
+        check(cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st.get()),
+              "launch_wait_flag");
+        const auto t0 = clock_type::now();
+        try {
+            co_await with_timeout(cudawait::stream_ref(st), 50ms);
+        } catch (const timeout_error&) {
+            const auto waited = clock_type::now() - t0;
+            co_return waited >= 50ms && waited < 5s;
+        }
+        co_return false;
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
+    EXPECT_FALSE(st.ready()) << "the kernel must still be running";
+    // The scheduler still tracks the abandoned wait; its event is still out of the pool.
+    EXPECT_EQ(s.pending().stream_waits, 1u);
+    EXPECT_GT(pool.outstanding(), outstanding);
+    flag.host[0] = 1;
+    s.run();  // drains: the kernel ends, the wait completes, the event is recycled
+    EXPECT_EQ(s.pending().stream_waits, 0u);
+    EXPECT_TRUE(st.ready());
+}
+
+TEST_F(scheduler_gpu, sleeping_policy_still_resumes) {
+    scheduler s(poll_policy::sleeping(100us, 2ms));
+    stream st;
+    mapped_words out(1);
+    auto body = [&]() -> task<std::uint32_t> {
+        check(cudawait::testing::launch_spin(10'000'000, out.device, 77u, st.get()), "launch");
+        co_await st;
+        co_return out.read(0);
+    };
+    const auto c0 = thread_cpu_time();
+    const auto t0 = clock_type::now();
+    EXPECT_EQ(sync_wait(s, body()), 77u);
+    const auto wall = clock_type::now() - t0;
+    const auto cpu = thread_cpu_time() - c0;
+    EXPECT_LT(cpu, wall / 2) << "a sleeping scheduler should not hold the core";
+}
+
+} // namespace

@@ -1,0 +1,71 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "test_kernels.hpp"
+
+namespace cudawait::testing {
+
+namespace {
+
+__device__ std::uint64_t global_ns() {
+    std::uint64_t t = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__global__ void mix_kernel(std::uint32_t* data, std::size_t n, std::uint32_t salt) {
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        data[i] = data[i] * 3u + (salt ^ static_cast<std::uint32_t>(i));
+    }
+}
+
+__global__ void spin_kernel(std::uint64_t ns, std::uint32_t* out, std::uint32_t value) {
+    const std::uint64_t start = global_ns();
+    while (global_ns() - start < ns) {
+    }
+    if (out != nullptr) {
+        *out = value;
+    }
+}
+
+__global__ void wait_flag_kernel(const volatile std::uint32_t* flag, std::uint64_t timeout_ns) {
+    const std::uint64_t start = global_ns();
+    while (*flag == 0 && global_ns() - start < timeout_ns) {
+    }
+}
+
+__global__ void fault_kernel(std::uint32_t* p) { *p = 42; }
+
+__global__ void empty_kernel() {}
+
+} // namespace
+
+cudaError_t launch_mix(std::uint32_t* data, std::size_t n, std::uint32_t salt, cudaStream_t s) {
+    const unsigned blocks = static_cast<unsigned>(n < 256 * 64 ? (n + 255) / 256 : 64);
+    mix_kernel<<<blocks == 0 ? 1 : blocks, 256, 0, s>>>(data, n, salt);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_spin(std::uint64_t ns, std::uint32_t* out, std::uint32_t value, cudaStream_t s) {
+    spin_kernel<<<1, 1, 0, s>>>(ns, out, value);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_wait_flag(const volatile std::uint32_t* flag, std::uint64_t timeout_ns,
+                             cudaStream_t s) {
+    wait_flag_kernel<<<1, 1, 0, s>>>(flag, timeout_ns);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_fault(cudaStream_t s) {
+    // An address far outside any allocation in the GPU's virtual address space.
+    auto* bad = reinterpret_cast<std::uint32_t*>(std::uintptr_t{0xdead0000ull} << 16);
+    fault_kernel<<<1, 1, 0, s>>>(bad);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_empty(cudaStream_t s) {
+    empty_kernel<<<1, 1, 0, s>>>();
+    return cudaGetLastError();
+}
+
+} // namespace cudawait::testing

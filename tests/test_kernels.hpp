@@ -1,0 +1,39 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Host entry points for the kernels the GPU tests launch (defined in test_kernels.cu), so that
+// the tests themselves are plain C++ compiled by the host compiler. Each returns the launch's
+// status (cudaGetLastError after the launch).
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait::testing {
+
+/// data[i] = data[i] * 3 + (salt ^ i), unsigned arithmetic modulo 2^32.
+cudaError_t launch_mix(std::uint32_t* data, std::size_t n, std::uint32_t salt, cudaStream_t s);
+
+/// The host reference of launch_mix.
+inline void mix_on_host(std::uint32_t* data, std::size_t n, std::uint32_t salt) {
+    for (std::size_t i = 0; i < n; ++i) {
+        data[i] = data[i] * 3u + (salt ^ static_cast<std::uint32_t>(i));
+    }
+}
+
+/// Spins on the GPU's global timer for `ns` nanoseconds, then writes `value` to *out (if
+/// non-null).
+cudaError_t launch_spin(std::uint64_t ns, std::uint32_t* out, std::uint32_t value, cudaStream_t s);
+
+/// Spins until *flag (host-mapped memory) becomes non-zero or `timeout_ns` passed.
+cudaError_t launch_wait_flag(const volatile std::uint32_t* flag, std::uint64_t timeout_ns,
+                             cudaStream_t s);
+
+/// Stores through a pointer no allocation covers: an illegal-address fault (sticky).
+cudaError_t launch_fault(cudaStream_t s);
+
+/// An empty kernel.
+cudaError_t launch_empty(cudaStream_t s);
+
+} // namespace cudawait::testing
