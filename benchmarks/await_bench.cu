@@ -1,0 +1,785 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// await_bench: what `co_await stream` costs compared to waiting for CUDA work by hand.
+//
+//   1. Round-trip latency, empty kernel launch -> waiter running again (p50 of 20000 samples):
+//        BM_roundtrip_stream_sync         cudaStreamSynchronize
+//        BM_roundtrip_event_query_spin    cudaEventRecord + spin on cudaEventQuery
+//        BM_roundtrip_host_func           cudaLaunchHostFunc sets an atomic, host spins on it
+//        BM_roundtrip_host_func_resume    coroutine resumption driven by cudaLaunchHostFunc: the
+//                                         host function posts the coroutine to its scheduler
+//        BM_roundtrip_co_await            cudawait, poll_policy::spinning()
+//        BM_roundtrip_co_await_balanced   cudawait, poll_policy::balanced() (the default)
+//   2. Completion throughput, 10000 waiters x 50 awaits over 64 streams, one thread (the runs of
+//      the three variants are interleaved and measured together):
+//        BM_completions_co_await_spin / _balanced   cudawait tasks started with when_all
+//        BM_completions_raw                         hand-written event record/query loop
+//   3. CPU used by the driving thread while one ~200 ms GPU wait is pending:
+//        BM_idle_cpu_spinning / _yielding / _sleeping / _balanced
+//
+// All comparisons run in one process, on the same device, the same stream type (cudawait::stream,
+// non-blocking) and the same kernels. After the benchmarks main() prints a summary table with
+// the ratios. See benchmarks/README.md.
+//
+// Every coroutine here is a free function in namespace `bench` and takes its state through
+// parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
+// g++ raise -Wsubobject-linkage in nvcc's host pass.
+
+#include <cudawait/cudawait.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include <time.h>
+
+#include <cuda_runtime.h>
+
+namespace bench {
+
+using steady = std::chrono::steady_clock;
+using cudawait::check;
+
+// ---- parameters ------------------------------------------------------------------------------
+
+constexpr std::size_t kWarmupSamples = 1000;  ///< round trips discarded before sampling
+constexpr std::int64_t kSamples = 20000;      ///< round trips sampled per latency benchmark
+constexpr std::size_t kStreams = 64;          ///< streams in the throughput benchmarks
+constexpr std::size_t kWaiters = 10000;       ///< concurrent waiters (coroutines or events)
+constexpr int kAwaitsPerWaiter = 50;          ///< awaits each waiter performs
+constexpr std::uint64_t kCompletions = std::uint64_t{kWaiters} * kAwaitsPerWaiter; // 500k
+constexpr std::int64_t kThroughputRuns = 5;   ///< timed runs per throughput benchmark
+constexpr std::chrono::milliseconds kIdleWait{200}; ///< GPU time of the idle benchmark's kernel
+constexpr std::int64_t kIdleRuns = 3;         ///< timed waits per idle benchmark
+
+// ---- results shared with the summary printed by main() ---------------------------------------
+
+std::map<std::string, double> g_p50_us;          ///< latency variant -> p50 in microseconds
+std::map<std::string, double> g_rate;            ///< throughput variant -> completions per second
+std::map<std::string, double> g_cpu_fraction;    ///< idle policy -> CPU seconds / wall seconds
+std::map<std::string, double> g_overshoot_us;    ///< idle policy -> median wall time - 200 ms
+int g_failures = 0;                              ///< benchmarks that reported an error
+
+// ---- kernels -----------------------------------------------------------------------------------
+
+/// The work whose completion every latency variant waits for: nothing at all.
+__global__ void empty_kernel() {}
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/// Keeps one thread busy for `ns` nanoseconds of GPU time, so the host has a long wait.
+__global__ void spin_kernel(unsigned long long ns) {
+    const unsigned long long start = globaltimer_ns();
+    while (globaltimer_ns() - start < ns) {
+    }
+}
+
+// cudaLaunchKernel returns the launch status directly (no cudaGetLastError round trip), and it is
+// the same call every variant makes.
+void launch_empty(cudaStream_t s) {
+    check(cudaLaunchKernel(empty_kernel, dim3(1), dim3(1), nullptr, 0, s), "cudaLaunchKernel");
+}
+
+void launch_spin(cudaStream_t s, unsigned long long ns) {
+    void* args[] = {&ns};
+    check(cudaLaunchKernel(spin_kernel, dim3(1), dim3(1), args, 0, s), "cudaLaunchKernel");
+}
+
+// ---- helpers -----------------------------------------------------------------------------------
+
+double seconds(steady::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double thread_cpu_seconds() {
+    timespec ts{};
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) {
+        throw std::system_error(errno, std::generic_category(), "clock_gettime");
+    }
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+/// Nearest-rank percentile (`p` in [0, 1]) of `sorted`, which must be sorted and non-empty.
+double percentile(const std::vector<double>& sorted, double p) {
+    const auto rank = std::clamp<std::size_t>(
+        static_cast<std::size_t>(std::ceil(p * static_cast<double>(sorted.size()))), 1,
+        sorted.size());
+    return sorted[rank - 1];
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return percentile(v, 0.5);
+}
+
+/// Feeds the collected per-round-trip times (seconds) to Google Benchmark as manual iteration
+/// times, publishes the percentiles as counters and keeps the p50 for the summary.
+void publish_latency(benchmark::State& state, const char* key, const std::vector<double>& samples) {
+    std::size_t i = 0;
+    for (auto _ : state) {
+        state.SetIterationTime(samples[i % samples.size()]);
+        ++i;
+    }
+    std::vector<double> sorted = samples;
+    std::sort(sorted.begin(), sorted.end());
+    const double p50 = percentile(sorted, 0.50) * 1e6;
+    state.counters["p50_us"] = p50;
+    state.counters["p90_us"] = percentile(sorted, 0.90) * 1e6;
+    state.counters["p99_us"] = percentile(sorted, 0.99) * 1e6;
+    state.counters["min_us"] = sorted.front() * 1e6;
+    state.counters["max_us"] = sorted.back() * 1e6;
+    g_p50_us[key] = p50;
+}
+
+/// Runs `body`, turning an exception into a benchmark error instead of std::terminate.
+template <class Body>
+void guarded(benchmark::State& state, Body&& body) {
+    try {
+        body();
+    } catch (const std::exception& e) {
+        ++g_failures;
+        state.SkipWithError(e.what());
+    }
+}
+
+std::size_t sample_count(const benchmark::State& state) {
+    return static_cast<std::size_t>(state.max_iterations);
+}
+
+// ---- 1. round-trip latency -----------------------------------------------------------------------
+
+void roundtrip_stream_sync(benchmark::State& state) {
+    cudawait::stream stream;
+    const cudaStream_t s = stream.get();
+    const std::size_t n = sample_count(state);
+    std::vector<double> samples;
+    samples.reserve(n);
+    for (std::size_t i = 0; i < kWarmupSamples + n; ++i) {
+        const auto t0 = steady::now();
+        launch_empty(s);
+        check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+        const auto t1 = steady::now();
+        if (i >= kWarmupSamples) {
+            samples.push_back(seconds(t1 - t0));
+        }
+    }
+    publish_latency(state, "stream_sync", samples);
+}
+
+void roundtrip_event_query_spin(benchmark::State& state) {
+    cudawait::stream stream;
+    cudawait::event done; // cudaEventDisableTiming, like the scheduler's recycled events
+    const cudaStream_t s = stream.get();
+    const cudaEvent_t ev = done.get();
+    const std::size_t n = sample_count(state);
+    std::vector<double> samples;
+    samples.reserve(n);
+    for (std::size_t i = 0; i < kWarmupSamples + n; ++i) {
+        const auto t0 = steady::now();
+        launch_empty(s);
+        check(cudaEventRecord(ev, s), "cudaEventRecord");
+        cudaError_t st = cudaSuccess;
+        while ((st = cudaEventQuery(ev)) == cudaErrorNotReady) {
+        }
+        check(st, "cudaEventQuery");
+        const auto t1 = steady::now();
+        if (i >= kWarmupSamples) {
+            samples.push_back(seconds(t1 - t0));
+        }
+    }
+    publish_latency(state, "event_query_spin", samples);
+}
+
+/// Host function enqueued behind the kernel; runs on a CUDA-internal thread.
+void CUDART_CB set_flag(void* flag) {
+    static_cast<std::atomic<bool>*>(flag)->store(true, std::memory_order_release);
+}
+
+void roundtrip_host_func(benchmark::State& state) {
+    // Declared before the stream: the stream's destructor synchronises, so the last host
+    // function has returned before the flag goes away.
+    std::atomic<bool> flag{false};
+    cudawait::stream stream;
+    const cudaStream_t s = stream.get();
+    const std::size_t n = sample_count(state);
+    std::vector<double> samples;
+    samples.reserve(n);
+    for (std::size_t i = 0; i < kWarmupSamples + n; ++i) {
+        flag.store(false, std::memory_order_relaxed);
+        const auto t0 = steady::now();
+        launch_empty(s);
+        check(cudaLaunchHostFunc(s, set_flag, &flag), "cudaLaunchHostFunc");
+        while (!flag.load(std::memory_order_acquire)) {
+        }
+        const auto t1 = steady::now();
+        if (i >= kWarmupSamples) {
+            samples.push_back(seconds(t1 - t0));
+        }
+    }
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    publish_latency(state, "host_func", samples);
+}
+
+/// Host-function-based resumption, the design the scheduler's polling replaces: the awaiting
+/// coroutine enqueues a host function behind the work; the function (on a CUDA-internal thread,
+/// where CUDA may not be called) posts the coroutine to its scheduler, which sleeps until then.
+struct host_func_resume {
+    cudawait::scheduler* sched;
+    cudaStream_t stream;
+    std::coroutine_handle<> waiter;
+
+    static void CUDART_CB fire(void* self) {
+        auto* me = static_cast<host_func_resume*>(self);
+        me->sched->post(me->waiter);
+    }
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> h) {
+        waiter = h;
+        check(cudaLaunchHostFunc(stream, &host_func_resume::fire, this), "cudaLaunchHostFunc");
+    }
+    void await_resume() const noexcept {}
+};
+
+cudawait::task<void> host_func_resume_loop(cudawait::scheduler* sched, cudaStream_t s,
+                                           std::size_t warmup, std::size_t n,
+                                           std::vector<double>* samples) {
+    for (std::size_t i = 0; i < warmup + n; ++i) {
+        const auto t0 = steady::now();
+        launch_empty(s);
+        co_await host_func_resume{sched, s, {}};
+        const auto t1 = steady::now();
+        if (i >= warmup) {
+            samples->push_back(seconds(t1 - t0));
+        }
+    }
+}
+
+void roundtrip_host_func_resume(benchmark::State& state) {
+    cudawait::stream stream;
+    const std::size_t n = sample_count(state);
+    std::vector<double> samples;
+    samples.reserve(n);
+    {
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched,
+                            host_func_resume_loop(&sched, stream.get(), kWarmupSamples, n, &samples));
+    }
+    stream.sync();
+    publish_latency(state, "host_func_resume", samples);
+}
+
+/// The coroutine side of BM_roundtrip_co_await: `warmup + n` round trips, timed from just
+/// before the launch to just after the coroutine resumed. Runs inside one sync_wait, so the
+/// scheduler's construction and first-use costs are outside every sample.
+cudawait::task<void> roundtrip_loop(cudawait::stream_ref s, std::size_t warmup, std::size_t n,
+                                    std::vector<double>* samples) {
+    for (std::size_t i = 0; i < warmup + n; ++i) {
+        const auto t0 = steady::now();
+        launch_empty(s);
+        co_await s;
+        const auto t1 = steady::now();
+        if (i >= warmup) {
+            samples->push_back(seconds(t1 - t0));
+        }
+    }
+}
+
+void roundtrip_co_await(benchmark::State& state, const cudawait::poll_policy& policy,
+                        const char* key) {
+    cudawait::stream stream; // outlives the scheduler, which drains before it is destroyed
+    const std::size_t n = sample_count(state);
+    std::vector<double> samples;
+    samples.reserve(n);
+    {
+        cudawait::scheduler sched(policy);
+        cudawait::sync_wait(sched, roundtrip_loop(stream, kWarmupSamples, n, &samples));
+    }
+    publish_latency(state, key, samples);
+}
+
+void BM_roundtrip_stream_sync(benchmark::State& state) {
+    guarded(state, [&] { roundtrip_stream_sync(state); });
+}
+void BM_roundtrip_event_query_spin(benchmark::State& state) {
+    guarded(state, [&] { roundtrip_event_query_spin(state); });
+}
+void BM_roundtrip_host_func(benchmark::State& state) {
+    guarded(state, [&] { roundtrip_host_func(state); });
+}
+void BM_roundtrip_host_func_resume(benchmark::State& state) {
+    guarded(state, [&] { roundtrip_host_func_resume(state); });
+}
+void BM_roundtrip_co_await(benchmark::State& state) {
+    guarded(state,
+            [&] { roundtrip_co_await(state, cudawait::poll_policy::spinning(), "co_await"); });
+}
+void BM_roundtrip_co_await_balanced(benchmark::State& state) {
+    guarded(state, [&] {
+        roundtrip_co_await(state, cudawait::poll_policy::balanced(), "co_await_balanced");
+    });
+}
+
+// ---- 2. completion throughput --------------------------------------------------------------------
+//
+// The three variants' timed runs are interleaved (one run of each per round, the order rotating
+// from round to round) and measured together the first time any of the three benchmarks runs;
+// each benchmark then publishes its own runs. Measured one benchmark after the other, the same
+// code moved by 20% and more between neighbouring benchmarks on an H200, and the absolute rate
+// depended several-fold on what the process had done before (see README.md), so only runs
+// taken side by side give a ratio worth quoting.
+
+std::vector<cudawait::stream> make_streams() {
+    std::vector<cudawait::stream> streams;
+    streams.reserve(kStreams);
+    for (std::size_t i = 0; i < kStreams; ++i) {
+        streams.emplace_back();
+    }
+    return streams;
+}
+
+/// One waiter: `awaits` back-to-back awaits of its stream. Each await records an event on the
+/// stream, which is the only stream-ordered work there is.
+cudawait::task<void> completion_worker(cudawait::stream_ref s, int awaits,
+                                       std::uint64_t* completed) {
+    for (int i = 0; i < awaits; ++i) {
+        co_await s;
+        ++*completed;
+    }
+}
+
+/// Starts `kWaiters` workers over `streams` with when_all and drives them to the end on `sched`.
+/// Returns the seconds spent in sync_wait (building the task vector is not timed).
+double run_completion_workers(cudawait::scheduler& sched,
+                              const std::vector<cudawait::stream>& streams, int awaits) {
+    std::uint64_t completed = 0;
+    std::vector<cudawait::task<void>> workers;
+    workers.reserve(kWaiters);
+    for (std::size_t w = 0; w < kWaiters; ++w) {
+        workers.push_back(completion_worker(streams[w % kStreams], awaits, &completed));
+    }
+    const auto t0 = steady::now();
+    cudawait::sync_wait(sched, cudawait::when_all(std::move(workers)));
+    const auto t1 = steady::now();
+    benchmark::DoNotOptimize(completed);
+    const std::uint64_t expected = std::uint64_t{kWaiters} * static_cast<std::uint64_t>(awaits);
+    if (completed != expected) {
+        throw std::runtime_error("co_await workers completed " + std::to_string(completed) +
+                                 " awaits, expected " + std::to_string(expected));
+    }
+    return seconds(t1 - t0);
+}
+
+/// A fixed-capacity FIFO of waiter indices: the pending events of one stream, oldest first.
+class index_ring {
+public:
+    explicit index_ring(std::size_t capacity) : m_slots(capacity) {}
+    [[nodiscard]] bool empty() const noexcept { return m_size == 0; }
+    [[nodiscard]] std::uint32_t front() const noexcept { return m_slots[m_head]; }
+    void push(std::uint32_t w) noexcept {
+        std::size_t at = m_head + m_size;
+        if (at >= m_slots.size()) {
+            at -= m_slots.size();
+        }
+        m_slots[at] = w;
+        ++m_size;
+    }
+    void pop() noexcept {
+        if (++m_head == m_slots.size()) {
+            m_head = 0;
+        }
+        --m_size;
+    }
+    void clear() noexcept {
+        m_head = 0;
+        m_size = 0;
+    }
+
+private:
+    std::vector<std::uint32_t> m_slots;
+    std::size_t m_head = 0;
+    std::size_t m_size = 0;
+};
+
+/// State of the hand-written loop, allocated once outside the timed region.
+struct raw_waiters {
+    std::vector<cudaStream_t> streams;
+    std::vector<cudawait::event> owned_events; // RAII: destroyed with this struct
+    std::vector<cudaEvent_t> events;           // raw handles for the hot loop
+    std::vector<int> remaining;
+    std::vector<index_ring> rings;
+
+    explicit raw_waiters(const std::vector<cudawait::stream>& on) {
+        for (const cudawait::stream& s : on) {
+            streams.push_back(s.get());
+        }
+        owned_events.reserve(kWaiters);
+        events.reserve(kWaiters);
+        for (std::size_t w = 0; w < kWaiters; ++w) {
+            owned_events.emplace_back(); // cudaEventDisableTiming
+            events.push_back(owned_events.back().get());
+        }
+        remaining.assign(kWaiters, 0);
+        for (std::size_t s = 0; s < streams.size(); ++s) {
+            // Waiter w lives on stream w % streams: at most this many per stream.
+            rings.emplace_back((kWaiters + streams.size() - 1) / streams.size());
+        }
+    }
+};
+
+/// The record/query cycle written as well as it can be by hand: record every waiter's event,
+/// then sweep the streams, querying only each FIFO's head (events recorded on one stream
+/// complete in order) and re-recording a completed waiter right away. Returns the seconds it
+/// took, initial records included (the co_await variant's first awaits record too).
+double run_raw(raw_waiters& r, int awaits) {
+    const std::size_t waiters = r.events.size();
+    const std::size_t nstreams = r.streams.size();
+    for (index_ring& ring : r.rings) {
+        ring.clear();
+    }
+    const auto t0 = steady::now();
+    for (std::size_t w = 0; w < waiters; ++w) {
+        r.remaining[w] = awaits;
+        check(cudaEventRecord(r.events[w], r.streams[w % nstreams]), "cudaEventRecord");
+        r.rings[w % nstreams].push(static_cast<std::uint32_t>(w));
+    }
+    const std::uint64_t target = std::uint64_t{waiters} * static_cast<std::uint64_t>(awaits);
+    std::uint64_t completed = 0;
+    while (completed < target) {
+        for (std::size_t s = 0; s < nstreams; ++s) {
+            index_ring& ring = r.rings[s];
+            while (!ring.empty()) {
+                const std::uint32_t w = ring.front();
+                const cudaError_t st = cudaEventQuery(r.events[w]);
+                if (st == cudaErrorNotReady) {
+                    break;
+                }
+                check(st, "cudaEventQuery");
+                ring.pop();
+                ++completed;
+                if (--r.remaining[w] > 0) {
+                    check(cudaEventRecord(r.events[w], r.streams[s]), "cudaEventRecord");
+                    ring.push(w);
+                }
+            }
+        }
+    }
+    const auto t1 = steady::now();
+    benchmark::DoNotOptimize(completed);
+    return seconds(t1 - t0);
+}
+
+/// Seconds per timed run of each throughput variant.
+struct throughput_runs {
+    std::vector<double> co_await_spin;
+    std::vector<double> co_await_balanced;
+    std::vector<double> raw;
+};
+
+/// Runs all three variants, interleaved, on the same 64 streams. The two co_await variants share
+/// one scheduler (and so one event cache); its policy is switched between runs, while it is idle.
+throughput_runs measure_throughput() {
+    const std::vector<cudawait::stream> streams = make_streams();
+    raw_waiters raw(streams);
+    cudawait::scheduler sched; // destroyed first: drains before the streams go
+
+    // Warm-up: fills the scheduler's event cache (kWaiters events) and node storage, and runs
+    // the hand-written loop's code and events once.
+    (void)run_completion_workers(sched, streams, 2);
+    (void)run_raw(raw, 2);
+
+    throughput_runs runs;
+    for (std::int64_t round = 0; round < kThroughputRuns; ++round) {
+        for (std::int64_t j = 0; j < 3; ++j) {
+            switch ((round + j) % 3) {
+            case 0:
+                sched.set_policy(cudawait::poll_policy::spinning());
+                runs.co_await_spin.push_back(
+                    run_completion_workers(sched, streams, kAwaitsPerWaiter));
+                break;
+            case 1:
+                sched.set_policy(cudawait::poll_policy::balanced());
+                runs.co_await_balanced.push_back(
+                    run_completion_workers(sched, streams, kAwaitsPerWaiter));
+                break;
+            default:
+                runs.raw.push_back(run_raw(raw, kAwaitsPerWaiter));
+                break;
+            }
+        }
+    }
+    return runs;
+}
+
+/// Measured once per process, by whichever throughput benchmark runs first. A failed measurement
+/// is not cached: the next benchmark tries again and reports its own error.
+const throughput_runs& throughput() {
+    static const throughput_runs runs = measure_throughput();
+    return runs;
+}
+
+/// Feeds one variant's run times to Google Benchmark and publishes the median rate.
+void publish_throughput(benchmark::State& state, const char* key,
+                        const std::vector<double>& run_seconds) {
+    std::size_t i = 0;
+    for (auto _ : state) {
+        state.SetIterationTime(run_seconds[i % run_seconds.size()]);
+        ++i;
+    }
+    std::vector<double> rates;
+    for (double secs : run_seconds) {
+        rates.push_back(static_cast<double>(kCompletions) / secs);
+    }
+    const double rate = median(rates);
+    state.counters["completions_per_s"] = rate;
+    g_rate[key] = rate;
+}
+
+void BM_completions_co_await_spin(benchmark::State& state) {
+    guarded(state,
+            [&] { publish_throughput(state, "co_await_spin", throughput().co_await_spin); });
+}
+void BM_completions_co_await_balanced(benchmark::State& state) {
+    guarded(state, [&] {
+        publish_throughput(state, "co_await_balanced", throughput().co_await_balanced);
+    });
+}
+void BM_completions_raw(benchmark::State& state) {
+    guarded(state, [&] { publish_throughput(state, "raw", throughput().raw); });
+}
+
+// ---- 3. idle CPU cost ----------------------------------------------------------------------------
+
+/// One long GPU wait: the spin kernel, then `co_await` its stream.
+cudawait::task<void> idle_wait(cudawait::stream_ref s, unsigned long long ns) {
+    launch_spin(s, ns);
+    co_await s;
+}
+
+void idle_cpu(benchmark::State& state, const cudawait::poll_policy& policy, const char* key) {
+    cudawait::stream stream;
+    cudawait::scheduler sched(policy);
+    const auto ns = static_cast<unsigned long long>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(kIdleWait).count());
+    // Warm-up: the kernel's first launch, the scheduler's first event and FIFO.
+    cudawait::sync_wait(sched, idle_wait(stream, 0));
+
+    double cpu_total = 0.0;
+    double wall_total = 0.0;
+    std::vector<double> overshoots_us;
+    for (auto _ : state) {
+        // sync_wait drives the loop on this thread, so this thread's CPU time is the loop's.
+        const double c0 = thread_cpu_seconds();
+        const auto t0 = steady::now();
+        cudawait::sync_wait(sched, idle_wait(stream, ns));
+        const auto t1 = steady::now();
+        const double c1 = thread_cpu_seconds();
+        const double wall = seconds(t1 - t0);
+        state.SetIterationTime(wall);
+        cpu_total += c1 - c0;
+        wall_total += wall;
+        overshoots_us.push_back((wall - seconds(kIdleWait)) * 1e6);
+    }
+    const double fraction = cpu_total / wall_total;
+    const double overshoot = median(overshoots_us);
+    state.counters["cpu_fraction"] = fraction;
+    state.counters["overshoot_us"] = overshoot;
+    g_cpu_fraction[key] = fraction;
+    g_overshoot_us[key] = overshoot;
+}
+
+void BM_idle_cpu_spinning(benchmark::State& state) {
+    guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::spinning(), "spinning"); });
+}
+void BM_idle_cpu_yielding(benchmark::State& state) {
+    guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::yielding(), "yielding"); });
+}
+void BM_idle_cpu_sleeping(benchmark::State& state) {
+    guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::sleeping(), "sleeping"); });
+}
+void BM_idle_cpu_balanced(benchmark::State& state) {
+    guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::balanced(), "balanced"); });
+}
+
+// ---- setup and summary ---------------------------------------------------------------------------
+
+/// Creates the context and loads both kernels (lazy module loading loads each on its first
+/// launch), so no benchmark pays for that. It also matters for the throughput benchmarks: on an
+/// H200, event record/query ran about 4x faster in a process that had never launched a kernel,
+/// a state no real program is in.
+void warm_up_device() {
+    check(cudaSetDevice(0), "cudaSetDevice");
+    cudawait::stream s;
+    launch_empty(s.get());
+    launch_spin(s.get(), 0);
+    check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    int driver = 0;
+    int runtime = 0;
+    check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
+    check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
+    benchmark::AddCustomContext("gpu", prop.name);
+    benchmark::AddCustomContext("cuda_driver", std::to_string(driver));
+    benchmark::AddCustomContext("cuda_runtime", std::to_string(runtime));
+    benchmark::AddCustomContext("cudawait", cudawait::version_string);
+}
+
+void register_benchmarks() {
+    using benchmark::RegisterBenchmark;
+    // Latency: kSamples manual-time iterations, each fed one measured round trip.
+    for (auto [name, fn] : {std::pair{"BM_roundtrip_stream_sync", &BM_roundtrip_stream_sync},
+                            std::pair{"BM_roundtrip_event_query_spin", &BM_roundtrip_event_query_spin},
+                            std::pair{"BM_roundtrip_host_func", &BM_roundtrip_host_func},
+                            std::pair{"BM_roundtrip_host_func_resume", &BM_roundtrip_host_func_resume},
+                            std::pair{"BM_roundtrip_co_await", &BM_roundtrip_co_await},
+                            std::pair{"BM_roundtrip_co_await_balanced",
+                                      &BM_roundtrip_co_await_balanced}}) {
+        RegisterBenchmark(name, fn)
+            ->UseManualTime()
+            ->Iterations(kSamples)
+            ->Unit(benchmark::kMicrosecond);
+    }
+    // Throughput: each iteration is one full run of kCompletions completions, measured (for all
+    // three at once) by the first of them that runs.
+    for (auto [name, fn] :
+         {std::pair{"BM_completions_co_await_spin", &BM_completions_co_await_spin},
+          std::pair{"BM_completions_co_await_balanced", &BM_completions_co_await_balanced},
+          std::pair{"BM_completions_raw", &BM_completions_raw}}) {
+        RegisterBenchmark(name, fn)
+            ->UseManualTime()
+            ->Iterations(kThroughputRuns)
+            ->Unit(benchmark::kMillisecond);
+    }
+    // Idle CPU: each iteration is one ~200 ms GPU wait.
+    for (auto [name, fn] : {std::pair{"BM_idle_cpu_spinning", &BM_idle_cpu_spinning},
+                            std::pair{"BM_idle_cpu_yielding", &BM_idle_cpu_yielding},
+                            std::pair{"BM_idle_cpu_sleeping", &BM_idle_cpu_sleeping},
+                            std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced}}) {
+        RegisterBenchmark(name, fn)
+            ->UseManualTime()
+            ->Iterations(kIdleRuns)
+            ->Unit(benchmark::kMillisecond);
+    }
+}
+
+/// "a / b" when both were measured in this run, "-" otherwise.
+std::string ratio(const std::map<std::string, double>& m, const char* a, const char* b) {
+    auto ia = m.find(a);
+    auto ib = m.find(b);
+    if (ia == m.end() || ib == m.end() || ib->second == 0.0) {
+        return "-";
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f", ia->second / ib->second);
+    return buf;
+}
+
+void print_summary() {
+    std::printf("\n==== await_bench summary ====\n");
+    if (!g_p50_us.empty()) {
+        std::printf("\nRound trip, empty kernel launch -> waiter resumed (p50 of %lld samples)\n",
+                    static_cast<long long>(kSamples));
+        for (const char* k :
+             {"stream_sync", "event_query_spin", "host_func", "host_func_resume", "co_await",
+              "co_await_balanced"}) {
+            if (auto it = g_p50_us.find(k); it != g_p50_us.end()) {
+                std::printf("  %-20s %9.2f us\n", k, it->second);
+            }
+        }
+        std::printf("  co_await / event_query_spin           %s\n",
+                    ratio(g_p50_us, "co_await", "event_query_spin").c_str());
+        std::printf("  co_await_balanced / event_query_spin  %s\n",
+                    ratio(g_p50_us, "co_await_balanced", "event_query_spin").c_str());
+        std::printf("  host_func / co_await                  %s\n",
+                    ratio(g_p50_us, "host_func", "co_await").c_str());
+        std::printf("  host_func_resume / co_await           %s\n",
+                    ratio(g_p50_us, "host_func_resume", "co_await").c_str());
+        std::printf("  host_func_resume / co_await_balanced  %s\n",
+                    ratio(g_p50_us, "host_func_resume", "co_await_balanced").c_str());
+    }
+    if (!g_rate.empty()) {
+        std::printf("\nCompletions, %zu waiters x %d awaits over %zu streams, one thread "
+                    "(median of %lld interleaved runs)\n",
+                    kWaiters, kAwaitsPerWaiter, kStreams, static_cast<long long>(kThroughputRuns));
+        for (const char* k : {"co_await_spin", "co_await_balanced", "raw"}) {
+            if (auto it = g_rate.find(k); it != g_rate.end()) {
+                std::printf("  %-20s %12.0f completions/s\n", k, it->second);
+            }
+        }
+        std::printf("  co_await_spin / raw                   %s\n",
+                    ratio(g_rate, "co_await_spin", "raw").c_str());
+        std::printf("  co_await_balanced / raw               %s\n",
+                    ratio(g_rate, "co_await_balanced", "raw").c_str());
+    }
+    if (!g_cpu_fraction.empty()) {
+        // The spinning policy's overshoot is the floor (launch, kernel start, any difference in
+        // rate between %globaltimer and the host clock), so the other policies are also shown
+        // relative to it: that difference is the wake-up latency the policy adds.
+        std::printf("\nIdle: one %lld ms GPU wait; cpu_fraction = driving thread's CPU time / "
+                    "wall time; overshoot = wall time - %lld ms (median)\n",
+                    static_cast<long long>(kIdleWait.count()),
+                    static_cast<long long>(kIdleWait.count()));
+        const auto floor = g_overshoot_us.find("spinning");
+        for (const char* k : {"spinning", "yielding", "sleeping", "balanced"}) {
+            if (auto it = g_cpu_fraction.find(k); it != g_cpu_fraction.end()) {
+                const double overshoot = g_overshoot_us[k];
+                std::printf("  %-20s cpu_fraction %6.3f   overshoot %9.1f us", k, it->second,
+                            overshoot);
+                if (floor != g_overshoot_us.end()) {
+                    std::printf("   (%+.1f us vs spinning)", overshoot - floor->second);
+                }
+                std::printf("\n");
+            }
+        }
+    }
+    std::fflush(stdout);
+}
+
+} // namespace bench
+
+int main(int argc, char** argv) {
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+        return 1;
+    }
+    if (cudawait::try_device_count() == 0) {
+        // try_device_count() swallows the status; ask again for the reason.
+        int n = 0;
+        const cudaError_t st = cudaGetDeviceCount(&n);
+        const std::string reason =
+            st != cudaSuccess
+                ? std::string(cudaGetErrorName(st)) + ": " + cudaGetErrorString(st)
+                : std::string("cudaGetDeviceCount reported 0 devices");
+        std::fprintf(stderr, "no CUDA device: %s\n", reason.c_str());
+        return 1;
+    }
+    try {
+        bench::warm_up_device();
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "await_bench: device warm-up failed: %s\n", e.what());
+        return 1;
+    }
+    bench::register_benchmarks();
+    benchmark::RunSpecifiedBenchmarks();
+    bench::print_summary();
+    benchmark::Shutdown();
+    return bench::g_failures == 0 ? 0 : 1;
+}

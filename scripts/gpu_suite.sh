@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The GPU suite: build, run every test (none may be skipped), the benchmarks, then the test
+# programs under compute-sanitizer memcheck. Logs go to $1 (default: gpu-logs/).
+#   scripts/gpu_suite.sh [log-dir] [stages...]     stages: build test bench memcheck (default: all)
+set -uo pipefail
+logs=${1:-gpu-logs}
+shift || true
+stages=${*:-build test bench memcheck}
+mkdir -p "$logs"
+build=build-gpu
+status=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+
+if has build; then
+  echo "== build"
+  { cmake --preset gpu && cmake --build --preset gpu; } >"$logs/build.log" 2>&1 || { tail -50 "$logs/build.log"; exit 1; }
+fi
+if has test; then
+  echo "== test"
+  ctest --test-dir "$build" --output-on-failure -j4 --timeout 180 >"$logs/ctest.log" 2>&1 || status=1
+  grep -E "tests passed|Skipped|Failed|\*\*\*" "$logs/ctest.log" | tail -30
+fi
+if has bench; then
+  echo "== benchmarks"
+  for b in "$build"/benchmarks/*_bench; do
+    name=$(basename "$b")
+    timeout 300 "$b" --benchmark_out="$logs/$name.json" --benchmark_out_format=json >"$logs/$name.log" 2>&1 || status=1
+    sed -n '/summary/,$p' "$logs/$name.log"
+  done
+fi
+if has memcheck; then
+  echo "== compute-sanitizer memcheck"
+  # Only the programs with GPU tests. The fault test and the no-device test run in child
+  # processes on purpose (one kills its context, the other hides the devices); they are left
+  # out here. The 10,000-coroutine test (a million launches) runs on its own, under a limit.
+  : >"$logs/memcheck.log"
+  run_memcheck() {
+    local bin=$1 filter=$2 limit=$3
+    timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 3 \
+      "$build/tests/$bin" --gtest_filter="$filter" >>"$logs/memcheck.log" 2>&1
+    local rc=$?
+    echo "memcheck $bin [$filter]: rc=$rc $(grep -E 'ERROR SUMMARY' "$logs/memcheck.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+  }
+  for t in device stream event; do
+    run_memcheck "${t}_test" '-*fault*:*no_device*' 120
+  done
+  run_memcheck scheduler_test '-*fault*:*no_device*:*ten_thousand*' 120
+  run_memcheck scheduler_test '*ten_thousand*' "${MEMCHECK_LONG_LIMIT:-240}"
+fi
+exit $status
