@@ -205,6 +205,25 @@ TEST(scheduler, with_timeout_passes_values_and_exceptions_through) {
     EXPECT_EQ(s.pending().timers, 0u);
 }
 
+TEST(scheduler, with_timeout_of_work_that_finishes_on_another_thread) {
+    scheduler home;
+    scheduler away;
+    std::stop_source stop;
+    std::jthread driver([&] { away.run(stop.get_token()); });
+    auto wander = [&]() -> task<int> {
+        co_await away.schedule();
+        co_await sleep_for(1ms);
+        co_return 3;
+    };
+    auto body = [&]() -> task<bool> {
+        const int v = co_await with_timeout(wander(), 5s);
+        // The result is handed back to this scheduler's thread, where the timer lives.
+        co_return v == 3 && home.on_loop_thread();
+    };
+    EXPECT_TRUE(sync_wait(home, body()));
+    stop.request_stop();
+}
+
 TEST(scheduler, idle_scheduler_blocks_instead_of_polling) {
     scheduler s(poll_policy::spinning());
     std::stop_source stop;

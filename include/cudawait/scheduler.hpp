@@ -386,8 +386,8 @@ public:
     }
     /// Library-internal detached coroutines (the work behind a with_timeout) are counted so
     /// that run() and the destructor wait for them. Loop thread only.
-    void child_started() noexcept { ++m_children; }
-    void child_finished() noexcept { --m_children; }
+    void child_started() noexcept { m_children.fetch_add(1, std::memory_order_relaxed); }
+    void child_finished() noexcept { m_children.fetch_sub(1, std::memory_order_relaxed); }
 
     /// Queues `h` to run on this loop. Loop thread only.
     void resume_soon(std::coroutine_handle<> h) { m_ready.push_back(h); }
@@ -790,7 +790,7 @@ private:
     std::vector<detail::timer_node*> m_timers;
     std::size_t m_live_timers = 0;
     std::uint64_t m_timer_seq = 0;
-    std::size_t m_children = 0;
+    std::atomic<std::size_t> m_children{0};
 
     // Shared with other threads.
     std::mutex m_remote_mutex;
@@ -946,7 +946,16 @@ struct timeout_state {
 template <class R>
 struct timeout_sink {
     std::shared_ptr<timeout_state<R>> state;
-    void complete(result_slot<R>&& r) { state->complete(std::move(r)); }
+    void complete(result_slot<R>&& r) {
+        if (state->sched->on_loop_thread()) {
+            state->complete(std::move(r));
+            return;
+        }
+        // The work finished on another scheduler's thread: hand the outcome over, since the
+        // timer and the waiter belong to this loop.
+        auto moved = std::make_shared<result_slot<R>>(std::move(r));
+        state->sched->post([st = state, moved] { st->complete(std::move(*moved)); });
+    }
 };
 
 template <class R>
