@@ -27,6 +27,18 @@ __global__ void spin_kernel(std::uint64_t ns, std::uint32_t* out, std::uint32_t 
     }
 }
 
+__global__ void delayed_copy_kernel(std::uint64_t ns, std::uint32_t* dst, const std::uint32_t* src,
+                                    std::size_t n) {
+    const std::uint64_t start = global_ns();
+    while (global_ns() - start < ns) {
+    }
+    __syncthreads();
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+
 __global__ void wait_flag_kernel(const volatile std::uint32_t* flag, std::uint64_t timeout_ns) {
     const std::uint64_t start = global_ns();
     while (*flag == 0 && global_ns() - start < timeout_ns) {
@@ -47,6 +59,12 @@ cudaError_t launch_mix(std::uint32_t* data, std::size_t n, std::uint32_t salt, c
 
 cudaError_t launch_spin(std::uint64_t ns, std::uint32_t* out, std::uint32_t value, cudaStream_t s) {
     spin_kernel<<<1, 1, 0, s>>>(ns, out, value);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_delayed_copy(std::uint64_t ns, std::uint32_t* dst, const std::uint32_t* src,
+                                std::size_t n, cudaStream_t s) {
+    delayed_copy_kernel<<<32, 256, 0, s>>>(ns, dst, src, n);
     return cudaGetLastError();
 }
 

@@ -26,6 +26,11 @@ inline void mix_on_host(std::uint32_t* data, std::size_t n, std::uint32_t salt) 
 /// non-null).
 cudaError_t launch_spin(std::uint64_t ns, std::uint32_t* out, std::uint32_t value, cudaStream_t s);
 
+/// Spins for `ns` nanoseconds, then copies n words from src to dst. `src` may be page-locked
+/// host memory: the kernel then reads the host's bytes over the bus, late.
+cudaError_t launch_delayed_copy(std::uint64_t ns, std::uint32_t* dst, const std::uint32_t* src,
+                                std::size_t n, cudaStream_t s);
+
 /// Spins until *flag (host-mapped memory) becomes non-zero or `timeout_ns` passed.
 cudaError_t launch_wait_flag(const volatile std::uint32_t* flag, std::uint64_t timeout_ns,
                              cudaStream_t s);

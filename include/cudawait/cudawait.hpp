@@ -3,9 +3,14 @@
 
 // The whole library. Each header can also be included on its own.
 
+#include <cudawait/copy.hpp>
 #include <cudawait/device.hpp>
+#include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
+#include <cudawait/mapped_buffer.hpp>
+#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/pinned_pool.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/scope.hpp>
 #include <cudawait/stream.hpp>

@@ -1,0 +1,348 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   co_await copy(dst, src, stream);       inside a task: resumes once the bytes are in place
+//   copy_async(dst, src, stream);          enqueue only (see below for pageable memory)
+//   memory_kind classify(const void* p);   pageable, pinned, device or managed
+//
+// `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
+// pinned_buffer, device_buffer, mapped_buffer. The direction follows from where the memory lives.
+// Pool memory (a pinned_buffer, or any pointer into the staging pool) is marked with
+// record_use, so freeing it right after the call is safe.
+//
+// Pageable host memory is never handed to cudaMemcpyAsync, which would copy it synchronously
+// through the driver's small staging buffers. It is staged through a ring of page-locked chunks
+// from the pool instead; the host memcpy (on several threads) of one chunk overlaps the DMA of
+// the previous one. With pageable memory on one side:
+//   - host to device: copy_async returns once the source has been read (it may be reused);
+//     the DMA of the last chunks is still running, in stream order;
+//   - device to host: copy_async returns once the destination is written, like
+//     cudaMemcpyAsync with pageable memory, but overlapped and several times faster;
+//   - co_await copy(...) waits without blocking the scheduler, except for the host memcpy of
+//     each chunk, which runs on the scheduler's thread with the helpers.
+
+#include <cudawait/detail/parallel_memcpy.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/event.hpp>
+#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/pinned_pool.hpp>
+#include <cudawait/scheduler.hpp>
+#include <cudawait/stream.hpp>
+#include <cudawait/task.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <exception>
+#include <iterator>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait {
+
+/// Where a pointer's memory lives, as cudaPointerGetAttributes sees it.
+enum class memory_kind {
+    pageable, ///< ordinary host memory, not registered with CUDA
+    pinned,   ///< page-locked host memory (cudaHostAlloc, cudaHostRegister, the pinned pool)
+    device,   ///< device memory
+    managed,  ///< unified (managed) memory
+};
+
+/// @throws cuda_error (no driver, no device)
+[[nodiscard]] inline memory_kind classify(const void* p) {
+    cudaPointerAttributes a{};
+    check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
+    switch (a.type) {
+    case cudaMemoryTypeHost:
+        return memory_kind::pinned;
+    case cudaMemoryTypeDevice:
+        return memory_kind::device;
+    case cudaMemoryTypeManaged:
+        return memory_kind::managed;
+    default:
+        return memory_kind::pageable;
+    }
+}
+
+/// How copies stage pageable memory.
+struct copy_options {
+    /// Where staging chunks come from; nullptr means default_pinned_pool(). Pointers into this
+    /// pool are also marked with record_use.
+    pinned_pool* pool = nullptr;
+    /// Size of one staging chunk.
+    std::size_t chunk_bytes = std::size_t{8} << 20;
+    /// Chunks in flight (2 at least).
+    unsigned depth = 3;
+};
+
+namespace detail {
+
+/// A pageable <-> device copy through a ring of pinned chunks, as a state machine: advance()
+/// does everything that needs no waiting and returns the event to wait for next, or nullptr.
+/// The blocking copy waits with cudaEventSynchronize, the awaitable one with co_await.
+class staged_copy {
+public:
+    staged_copy(std::byte* dst, const std::byte* src, std::size_t n, bool to_device, stream_ref s,
+                pinned_pool& pool, const copy_options& opt)
+        : m_dst(dst), m_src(src), m_bytes(n), m_to_device(to_device), m_stream(s), m_pool(&pool) {
+        std::size_t chunk = std::max<std::size_t>(opt.chunk_bytes, 4096);
+        m_chunk = std::min(chunk, n);
+        m_chunks = (n + m_chunk - 1) / m_chunk;
+        std::size_t depth = std::clamp<std::size_t>(opt.depth, 2, 64);
+        depth = std::min(depth, m_chunks);
+        m_events_pool = &event_pool::for_device(s.device());
+        m_slots.reserve(depth);
+        try {
+            for (std::size_t i = 0; i < depth; ++i) {
+                slot sl;
+                sl.buffer = pinned_buffer<std::byte>(m_chunk, pool);
+                sl.event = m_events_pool->acquire_raw();
+                m_slots.push_back(std::move(sl));
+            }
+        } catch (...) {
+            release();
+            throw;
+        }
+    }
+    staged_copy(const staged_copy&) = delete;
+    staged_copy& operator=(const staged_copy&) = delete;
+    ~staged_copy() { release(); }
+
+    /// Progress without waiting; the event to wait on next, or nullptr when the copy needs no
+    /// more host work (host to device: all enqueued; device to host: all written).
+    cudaEvent_t advance() {
+        return m_to_device ? advance_to_device() : advance_from_device();
+    }
+
+    /// The event recorded after the last chunk's DMA (host to device).
+    [[nodiscard]] cudaEvent_t last_event() const {
+        return m_slots[(m_chunks - 1) % m_slots.size()].event;
+    }
+
+private:
+    struct slot {
+        pinned_buffer<std::byte> buffer;
+        cudaEvent_t event = nullptr;
+    };
+
+    [[nodiscard]] std::size_t length(std::size_t chunk) const noexcept {
+        return std::min(m_chunk, m_bytes - chunk * m_chunk);
+    }
+
+    static bool ready(cudaEvent_t e) { return event_ready(e, std::source_location::current()); }
+
+    void dma(void* dst, const void* src, std::size_t len, slot& sl) {
+        check(cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, m_stream.get()), "cudaMemcpyAsync");
+        check(cudaEventRecord(sl.event, m_stream.get()), "cudaEventRecord");
+        m_in_flight = true;
+    }
+
+    cudaEvent_t advance_to_device() {
+        while (m_next < m_chunks) {
+            slot& sl = m_slots[m_next % m_slots.size()];
+            if (m_next >= m_slots.size() && !ready(sl.event)) {
+                return sl.event; // its previous chunk is still being transferred
+            }
+            std::size_t off = m_next * m_chunk;
+            std::size_t len = length(m_next);
+            memcpy_workers::instance().copy(sl.buffer.data(), m_src + off, len);
+            dma(m_dst + off, sl.buffer.data(), len, sl);
+            ++m_next;
+        }
+        return nullptr;
+    }
+
+    cudaEvent_t advance_from_device() {
+        for (;;) {
+            while (m_enqueued < m_chunks && m_enqueued < m_next + m_slots.size()) {
+                slot& sl = m_slots[m_enqueued % m_slots.size()];
+                std::size_t off = m_enqueued * m_chunk;
+                dma(sl.buffer.data(), m_src + off, length(m_enqueued), sl);
+                ++m_enqueued;
+            }
+            if (m_next == m_chunks) {
+                m_in_flight = false; // every DMA was waited for
+                return nullptr;
+            }
+            slot& sl = m_slots[m_next % m_slots.size()];
+            if (!ready(sl.event)) {
+                return sl.event;
+            }
+            std::size_t off = m_next * m_chunk;
+            memcpy_workers::instance().copy(m_dst + off, sl.buffer.data(), length(m_next));
+            ++m_next;
+        }
+    }
+
+    // Chunks whose DMA may still run go back to the pool marked with a use on the stream, so
+    // nothing is handed out while the copy engine still reads or writes it.
+    void release() noexcept {
+        for (slot& sl : m_slots) {
+            if (m_in_flight && sl.buffer) {
+                try {
+                    sl.buffer.record_use(m_stream);
+                } catch (const std::exception&) {
+                    // Recording failed: the context is broken and will not touch the chunk.
+                }
+            }
+            sl.buffer.reset();
+            if (sl.event != nullptr) {
+                m_events_pool->release_raw(sl.event);
+                sl.event = nullptr;
+            }
+        }
+    }
+
+    std::byte* m_dst;
+    const std::byte* m_src;
+    std::size_t m_bytes;
+    bool m_to_device;
+    stream_ref m_stream;
+    pinned_pool* m_pool;
+    std::size_t m_chunk = 0;
+    std::size_t m_chunks = 0;
+    std::size_t m_next = 0;     ///< next chunk to fill (to device) or to drain (from device)
+    std::size_t m_enqueued = 0; ///< chunks whose DMA is enqueued (from device)
+    bool m_in_flight = false;
+    event_pool* m_events_pool = nullptr;
+    std::vector<slot> m_slots;
+};
+
+/// A copy's bytes, checked and classified, and the pools that own either side (if any).
+struct copy_plan {
+    std::byte* dst;
+    const std::byte* src;
+    std::size_t bytes;
+    memory_kind dst_kind;
+    memory_kind src_kind;
+    pinned_pool* dst_pool = nullptr;
+    pinned_pool* src_pool = nullptr;
+
+    [[nodiscard]] bool staged() const noexcept {
+        bool dst_gpu = dst_kind == memory_kind::device || dst_kind == memory_kind::managed;
+        bool src_gpu = src_kind == memory_kind::device || src_kind == memory_kind::managed;
+        return (src_kind == memory_kind::pageable && dst_gpu) ||
+               (dst_kind == memory_kind::pageable && src_gpu);
+    }
+    [[nodiscard]] bool to_device() const noexcept { return src_kind == memory_kind::pageable; }
+};
+
+template <class R>
+concept copy_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
+                     std::is_trivially_copyable_v<std::ranges::range_value_t<R>>;
+
+// The pool a range's memory belongs to: a pinned_buffer's own, else `fallback` if it owns it.
+template <class R>
+pinned_pool* owning_pool(const R& r, const void* p, pinned_pool& fallback) {
+    using plain = std::remove_cvref_t<R>;
+    if constexpr (requires(const plain& b) { b.pool(); }) {
+        return &r.pool();
+    } else {
+        return fallback.owns(p) ? &fallback : nullptr;
+    }
+}
+
+inline pinned_pool& staging_pool(const copy_options& opt) {
+    return opt.pool != nullptr ? *opt.pool : default_pinned_pool();
+}
+
+template <class Dst, class Src>
+copy_plan make_plan(const Dst& dst, const Src& src, const copy_options& opt) {
+    using T = std::ranges::range_value_t<Src>;
+    std::size_t nd = std::ranges::size(dst);
+    std::size_t ns = std::ranges::size(src);
+    if (nd != ns) {
+        throw usage_error("copy: destination has " + std::to_string(nd) +
+                          " elements but source has " + std::to_string(ns));
+    }
+    if (ns == 0) {
+        throw usage_error("copy: zero elements to copy");
+    }
+    auto* d = reinterpret_cast<std::byte*>(
+        const_cast<std::remove_const_t<T>*>(std::ranges::data(dst)));
+    auto* s = reinterpret_cast<const std::byte*>(std::ranges::data(src));
+    if (d == nullptr || s == nullptr) {
+        throw usage_error("copy: null destination or source with a non-zero size");
+    }
+    std::size_t bytes = ns * sizeof(T);
+    if ((d < s + bytes) && (s < d + bytes)) {
+        throw usage_error("copy: destination and source overlap");
+    }
+    copy_plan plan{d, s, bytes, classify(d), classify(s)};
+    pinned_pool& pool = staging_pool(opt);
+    if (plan.dst_kind == memory_kind::pinned) {
+        plan.dst_pool = owning_pool(dst, d, pool);
+    }
+    if (plan.src_kind == memory_kind::pinned) {
+        plan.src_pool = owning_pool(src, s, pool);
+    }
+    return plan;
+}
+
+// A direct copy: one cudaMemcpyAsync, and pool memory on either side marked as used by `s`.
+inline void enqueue_direct(const copy_plan& plan, stream_ref s) {
+    check(cudaMemcpyAsync(plan.dst, plan.src, plan.bytes, cudaMemcpyDefault, s.get()),
+          "cudaMemcpyAsync");
+    if (plan.dst_pool != nullptr) {
+        plan.dst_pool->record_use(plan.dst, s);
+    }
+    if (plan.src_pool != nullptr) {
+        plan.src_pool->record_use(plan.src, s);
+    }
+}
+
+inline task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
+    if (!plan.staged()) {
+        enqueue_direct(plan, s);
+        co_await s;
+        co_return;
+    }
+    staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt), opt);
+    while (cudaEvent_t ev = sc.advance()) {
+        co_await event_ref(ev);
+    }
+    if (plan.to_device()) {
+        co_await event_ref(sc.last_event());
+    }
+}
+
+} // namespace detail
+
+/// Enqueues a copy of `src` into `dst` on `s`. See the header's synopsis for pageable memory.
+/// @throws usage_error for sizes that differ, zero elements, null data or overlapping ranges;
+///         cuda_error
+template <detail::copy_range Dst, detail::copy_range Src>
+    requires std::is_same_v<std::ranges::range_value_t<Dst>, std::ranges::range_value_t<Src>> &&
+             (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<Dst>>>)
+void copy_async(Dst&& dst, Src&& src, stream_ref s, const copy_options& opt = {}) {
+    detail::copy_plan plan = detail::make_plan(dst, src, opt);
+    if (!plan.staged()) {
+        detail::enqueue_direct(plan, s);
+        return;
+    }
+    detail::staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s,
+                           detail::staging_pool(opt), opt);
+    while (cudaEvent_t ev = sc.advance()) {
+        check(cudaEventSynchronize(ev), "cudaEventSynchronize");
+    }
+}
+
+/// Copies `src` into `dst` in `s`'s order; awaiting the task enqueues the copy and resumes once
+/// the bytes are in place. The ranges are checked at the call, so bad arguments throw before
+/// anything is awaited; the ranges' memory must stay valid until the await completes.
+/// @throws usage_error (at the call) for sizes that differ, zero elements, null data or
+///         overlapping ranges; cuda_error (at the call for an unusable pointer, else from the
+///         await)
+template <detail::copy_range Dst, detail::copy_range Src>
+    requires std::is_same_v<std::ranges::range_value_t<Dst>, std::ranges::range_value_t<Src>> &&
+             (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<Dst>>>)
+[[nodiscard]] task<void> copy(Dst&& dst, Src&& src, stream_ref s, const copy_options& opt = {}) {
+    return detail::copy_task(detail::make_plan(dst, src, opt), s, opt);
+}
+
+} // namespace cudawait

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// A host memcpy split across a few long-lived threads. One thread copying from pageable memory
+// into page-locked memory reaches well under the PCIe link's bandwidth; staged copies need
+// several to keep the DMA engines fed.
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstring>
+#include <deque>
+#include <latch>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cudawait::detail {
+
+class memcpy_workers {
+public:
+    /// Parts smaller than this are not worth a thread's wake-up.
+    static constexpr std::size_t min_part = std::size_t{1} << 20;
+
+    /// The process-wide set: half the hardware threads, at most 8 copying at once (the caller
+    /// is one of them). Never destroyed, so copies during static destruction stay safe.
+    static memcpy_workers& instance() {
+        static memcpy_workers* w = new memcpy_workers(default_threads());
+        return *w;
+    }
+
+    explicit memcpy_workers(unsigned threads) {
+        for (unsigned i = 0; i + 1 < threads; ++i) {
+            auto w = std::make_unique<worker>();
+            try {
+                w->thread = std::thread([raw = w.get()] { raw->run(); });
+            } catch (...) {
+                break; // fewer helpers; the caller still copies
+            }
+            m_workers.push_back(std::move(w));
+        }
+    }
+    memcpy_workers(const memcpy_workers&) = delete;
+    memcpy_workers& operator=(const memcpy_workers&) = delete;
+    ~memcpy_workers() {
+        for (auto& w : m_workers) {
+            {
+                std::lock_guard lock(w->mutex);
+                w->stop = true;
+            }
+            w->cv.notify_one();
+            w->thread.join();
+        }
+    }
+
+    /// Threads that copy, counting the caller.
+    [[nodiscard]] unsigned threads() const noexcept {
+        return static_cast<unsigned>(m_workers.size()) + 1;
+    }
+
+    /// Copies `n` bytes; returns once every byte is in place.
+    void copy(void* dst, const void* src, std::size_t n) {
+        std::size_t parts = std::min<std::size_t>(threads(), n / min_part);
+        if (parts <= 1) {
+            std::memcpy(dst, src, n);
+            return;
+        }
+        std::size_t per = (n / parts + 4095) / 4096 * 4096;
+        auto done = std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(parts - 1));
+        auto* d = static_cast<std::byte*>(dst);
+        auto* s = static_cast<const std::byte*>(src);
+        std::size_t off = per; // the caller takes the first part
+        for (std::size_t i = 0; i + 1 < parts; ++i) {
+            std::size_t len = std::min(per, n - off);
+            m_workers[i]->push({d + off, s + off, len, done});
+            off += len;
+        }
+        std::memcpy(d, s, per); // parts * per >= n, so the workers' parts end at n
+        done->wait();
+    }
+
+private:
+    struct part {
+        std::byte* dst;
+        const std::byte* src;
+        std::size_t bytes;
+        std::shared_ptr<std::latch> done;
+    };
+
+    struct worker {
+        std::thread thread;
+        std::mutex mutex;
+        std::condition_variable cv;
+        std::deque<part> queue;
+        bool stop = false;
+
+        void push(part p) {
+            {
+                std::lock_guard lock(mutex);
+                queue.push_back(std::move(p));
+            }
+            cv.notify_one();
+        }
+        void run() {
+            for (;;) {
+                part p{};
+                {
+                    std::unique_lock lock(mutex);
+                    cv.wait(lock, [this] { return stop || !queue.empty(); });
+                    if (queue.empty()) {
+                        return;
+                    }
+                    p = std::move(queue.front());
+                    queue.pop_front();
+                }
+                std::memcpy(p.dst, p.src, p.bytes);
+                p.done->count_down();
+            }
+        }
+    };
+
+    static unsigned default_threads() {
+        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        return std::clamp(hw / 2, 1u, 8u);
+    }
+
+    std::vector<std::unique_ptr<worker>> m_workers;
+};
+
+} // namespace cudawait::detail

@@ -1,0 +1,816 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   pinned_pool pool;                    page-locked host memory, grown rarely in large slabs
+//   pool.reserve(1 << 30);               grow once, up front (slabs are pre-faulted on several
+//                                        threads, then registered with cudaHostRegister)
+//   void* p = pool.allocate(bytes);      O(1), no CUDA call and no syscall when memory is cached
+//   cudaMemcpyAsync(dev, p, bytes, cudaMemcpyHostToDevice, s);
+//   pool.record_use(p, s);               the library's own copies and pipelines do this for you
+//   pool.deallocate(p);                  p is handed out again only once s has passed this point
+//
+//   pool_exhausted      the cap on page-locked bytes was reached (derives std::bad_alloc)
+//   slab_source         where slabs come from (registered_slab_source by default; replaceable)
+//   use_tracker         how "the GPU is done with it" is observed (CUDA events by default)
+//   default_pinned_pool()  the process-wide pool that copies stage through
+//
+// The pool is a std::pmr::memory_resource and a libcu++ cuda::mr resource whose memory is both
+// host- and device-accessible.
+
+#include <cudawait/detail/block_heap.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/event.hpp>
+#include <cudawait/stream.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <memory_resource>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#if defined(__unix__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
+#if __has_include(<cuda/memory_resource>)
+#include <cuda/memory_resource>
+#include <cuda/version>
+#endif
+
+// CCCL 3.0 declares the cuda::mr properties only behind LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE;
+// later versions declare them unconditionally.
+#if defined(CCCL_VERSION) &&                                                                      \
+    (defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) || CCCL_VERSION >= 3001000)
+#define CUDAWAIT_HAS_CUDA_MR 1
+#else
+#define CUDAWAIT_HAS_CUDA_MR 0
+#endif
+
+namespace cudawait {
+
+/// Byte-size literals: `using namespace cudawait::literals;` then `64_MiB`.
+inline namespace literals {
+constexpr std::size_t operator""_KiB(unsigned long long n) { return static_cast<std::size_t>(n) << 10; }
+constexpr std::size_t operator""_MiB(unsigned long long n) { return static_cast<std::size_t>(n) << 20; }
+constexpr std::size_t operator""_GiB(unsigned long long n) { return static_cast<std::size_t>(n) << 30; }
+} // namespace literals
+
+/// Thrown when a request would take the pool past its cap on page-locked bytes, after cached
+/// free memory was given back and the request retried.
+class pool_exhausted : public std::bad_alloc {
+public:
+    pool_exhausted(std::size_t requested, std::size_t in_use, std::size_t cap)
+        : m_requested(requested), m_in_use(in_use), m_cap(cap),
+          m_what("cudawait::pinned_pool exhausted: requested " + std::to_string(requested) +
+                 " bytes with " + std::to_string(in_use) + " bytes in use and a cap of " +
+                 std::to_string(cap) + " page-locked bytes") {}
+
+    [[nodiscard]] const char* what() const noexcept override { return m_what.c_str(); }
+    [[nodiscard]] std::size_t requested() const noexcept { return m_requested; }
+    [[nodiscard]] std::size_t in_use() const noexcept { return m_in_use; }
+    [[nodiscard]] std::size_t cap() const noexcept { return m_cap; }
+
+private:
+    std::size_t m_requested;
+    std::size_t m_in_use;
+    std::size_t m_cap;
+    std::string m_what;
+};
+
+/// A recorded point in a stream's work, as a use_tracker hands it out.
+struct use_token {
+    void* handle = nullptr;
+    int device = 0;
+};
+
+/// Observes when the GPU finished with a block. The default records pooled CUDA events; tests
+/// substitute a host-controlled one.
+class use_tracker {
+public:
+    virtual ~use_tracker() = default;
+    /// Marks the current end of `s`'s work. @throws cuda_error
+    virtual use_token record(stream_ref s) = 0;
+    /// True once the work up to the mark completed. @throws cuda_error
+    virtual bool done(use_token t) = 0;
+    /// Blocks until done(t). @throws cuda_error
+    virtual void wait(use_token t) = 0;
+    /// Gives the mark back.
+    virtual void release(use_token t) noexcept = 0;
+};
+
+/// The default tracker: an event from the stream's device's event_pool per record.
+class event_use_tracker final : public use_tracker {
+public:
+    use_token record(stream_ref s) override {
+        int dev = s.device();
+        event_pool& pool = event_pool::for_device(dev);
+        cudaEvent_t ev = pool.acquire_raw();
+        cudaError_t st = cudaEventRecord(ev, s.get());
+        if (st != cudaSuccess) {
+            pool.release_raw(ev);
+            check(st, "cudaEventRecord");
+        }
+        return {ev, dev};
+    }
+    bool done(use_token t) override {
+        return detail::event_ready(static_cast<cudaEvent_t>(t.handle),
+                                   std::source_location::current());
+    }
+    void wait(use_token t) override {
+        check(cudaEventSynchronize(static_cast<cudaEvent_t>(t.handle)), "cudaEventSynchronize");
+    }
+    void release(use_token t) noexcept override {
+        event_pool::for_device(t.device).release_raw(static_cast<cudaEvent_t>(t.handle));
+    }
+};
+
+/// Where a pool's slabs come from: page-locked, 2 MiB-aligned ranges whose size is a multiple
+/// of 2 MiB.
+class slab_source {
+public:
+    virtual ~slab_source() = default;
+    /// @throws std::bad_alloc, cuda_error
+    virtual void* allocate(std::size_t bytes) = 0;
+    virtual void deallocate(void* p, std::size_t bytes) noexcept = 0;
+};
+
+/// The default slab source. An anonymous mapping (transparent huge pages requested) is pre-faulted
+/// by several threads at once and then registered with cudaHostRegister (portable, so that every
+/// device can use it); that is about 10x faster than cudaHostAlloc on large slabs. Where
+/// registration fails, the slab comes from cudaHostAlloc instead.
+class registered_slab_source final : public slab_source {
+public:
+    /// The largest range one cudaHostRegister call accepts here.
+    static constexpr std::size_t max_slab_bytes = 64_GiB;
+    static constexpr std::size_t alignment = 2_MiB;
+
+    /// `fault_threads` = 0 picks one thread per 64 MiB, up to the hardware's threads.
+    explicit registered_slab_source(unsigned fault_threads = 0) : m_fault_threads(fault_threads) {}
+
+    registered_slab_source(const registered_slab_source&) = delete;
+    registered_slab_source& operator=(const registered_slab_source&) = delete;
+
+    void* allocate(std::size_t bytes) override {
+        if (bytes == 0 || bytes % alignment != 0 || bytes > max_slab_bytes) {
+            throw usage_error("registered_slab_source: slab size must be a non-zero multiple of "
+                              "2 MiB and at most 64 GiB");
+        }
+#if defined(__unix__)
+        if (void* p = map_and_register(bytes)) {
+            return p;
+        }
+#endif
+        return host_alloc(bytes);
+    }
+
+    void deallocate(void* p, std::size_t bytes) noexcept override {
+        void* base = nullptr;
+        {
+            std::lock_guard lock(m_mutex);
+            auto it = m_host_alloc.find(p);
+            if (it != m_host_alloc.end()) {
+                base = it->second;
+                m_host_alloc.erase(it);
+            }
+        }
+        if (base != nullptr) {
+            detail::report(cudaFreeHost(base), "cudaFreeHost");
+            return;
+        }
+        detail::report(cudaHostUnregister(p), "cudaHostUnregister");
+#if defined(__unix__)
+        ::munmap(p, bytes);
+#else
+        (void)bytes;
+#endif
+    }
+
+private:
+#if defined(__unix__)
+    void* map_and_register(std::size_t bytes) {
+        // Map 2 MiB extra and trim, so that the slab starts on a huge-page boundary.
+        std::size_t span = bytes + alignment;
+        void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (raw == MAP_FAILED) {
+            throw std::bad_alloc();
+        }
+        auto addr = reinterpret_cast<std::uintptr_t>(raw);
+        std::uintptr_t aligned = (addr + alignment - 1) / alignment * alignment;
+        std::size_t head = aligned - addr;
+        if (head != 0) {
+            ::munmap(raw, head);
+        }
+        if (std::size_t tail = span - head - bytes; tail != 0) {
+            ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+        }
+        auto* p = reinterpret_cast<std::byte*>(aligned);
+#if defined(MADV_HUGEPAGE)
+        (void)::madvise(p, bytes, MADV_HUGEPAGE); // a hint; without it the slab still works
+#endif
+        prefault(p, bytes);
+        cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+        if (st == cudaSuccess) {
+            return p;
+        }
+        (void)cudaGetLastError();
+        ::munmap(p, bytes);
+        if (st == cudaErrorInsufficientDriver || st == cudaErrorNoDevice) {
+            check(st, "cudaHostRegister");
+        }
+        return nullptr;
+    }
+
+    // First touch of every page, split across threads: the kernel's page zeroing is the cost.
+    void prefault(std::byte* p, std::size_t bytes) const {
+        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        unsigned n = m_fault_threads != 0
+                         ? m_fault_threads
+                         : static_cast<unsigned>(std::clamp<std::size_t>(bytes / 64_MiB, 1, hw));
+        std::size_t page = 4_KiB;
+        std::size_t per = (bytes / n + page - 1) / page * page;
+        auto touch = [p, bytes, page](std::size_t from, std::size_t to) {
+            for (std::size_t off = from; off < to && off < bytes; off += page) {
+                p[off] = std::byte{0};
+            }
+        };
+        std::vector<std::thread> threads;
+        threads.reserve(n > 0 ? n - 1 : 0);
+        try {
+            for (unsigned i = 1; i < n; ++i) {
+                threads.emplace_back(touch, i * per, (i + 1) * per);
+            }
+        } catch (...) {
+            // Fewer threads than hoped: the calling thread covers the rest below.
+            touch(threads.size() * per + per, bytes);
+        }
+        touch(0, per);
+        for (auto& t : threads) {
+            t.join();
+        }
+    }
+#endif
+
+    void* host_alloc(std::size_t bytes) {
+        void* base = nullptr;
+        check(cudaHostAlloc(&base, bytes + alignment, cudaHostAllocPortable), "cudaHostAlloc");
+        auto addr = reinterpret_cast<std::uintptr_t>(base);
+        void* p = reinterpret_cast<void*>((addr + alignment - 1) / alignment * alignment);
+        try {
+            std::lock_guard lock(m_mutex);
+            m_host_alloc.emplace(p, base);
+        } catch (...) {
+            detail::report(cudaFreeHost(base), "cudaFreeHost");
+            throw;
+        }
+        return p;
+    }
+
+    unsigned m_fault_threads;
+    std::mutex m_mutex;
+    std::unordered_map<void*, void*> m_host_alloc; // aligned slab -> cudaHostAlloc's pointer
+};
+
+/// How a pinned_pool behaves; every field has a default.
+struct pinned_pool_options {
+    /// Cap on page-locked bytes the pool holds; 0 means 25% of physical memory.
+    std::size_t max_pinned_bytes = 0;
+    /// Smallest growth step. A request larger than this grows the pool by its own size.
+    std::size_t slab_bytes = 64_MiB;
+    /// Requests of at least this many bytes start on a 2 MiB boundary.
+    std::size_t large_block_bytes = 2_MiB;
+    /// nullptr: a registered_slab_source.
+    std::shared_ptr<slab_source> upstream;
+    /// nullptr: an event_use_tracker.
+    std::shared_ptr<use_tracker> tracker;
+};
+
+/// What a pool has done so far.
+struct pinned_pool_stats {
+    std::size_t in_use_bytes = 0;     ///< sizes of blocks handed out (granule-rounded)
+    std::size_t requested_bytes = 0;  ///< sizes callers asked for, of blocks handed out
+    std::size_t reserved_bytes = 0;   ///< page-locked bytes held from the upstream
+    std::size_t peak_in_use_bytes = 0;
+    std::size_t peak_reserved_bytes = 0;
+    std::size_t pending_bytes = 0;    ///< freed, waiting for the GPU to finish with them
+    std::size_t blocks_in_use = 0;
+    std::uint64_t hits = 0;           ///< requests served without growing
+    std::uint64_t misses = 0;         ///< requests that grew the pool
+    std::uint64_t growth_count = 0;
+    std::chrono::nanoseconds growth_time{0};
+};
+
+namespace detail {
+inline std::size_t physical_memory_bytes() noexcept {
+#if defined(__unix__)
+    long pages = ::sysconf(_SC_PHYS_PAGES);
+    long page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) {
+        return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+    }
+#endif
+    return 16_GiB;
+}
+
+struct pool_block_extra {
+    std::size_t requested = 0;
+    std::vector<std::pair<cudaStream_t, use_token>> uses; ///< latest mark per stream
+    bool pending = false;
+    void* next_pending = nullptr;
+};
+} // namespace detail
+
+/// A pool of page-locked host memory with host-safe reuse.
+///
+/// Blocks come from large slabs (64 MiB by default; `reserve` grows by exactly what it is told)
+/// and are sub-allocated by a two-level segregated fit with coalescing: O(1), blocks rounded to
+/// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary.
+///
+/// A freed block on which record_use() was called is handed out again only once every stream
+/// that used it passed the recorded point. Thread-safe; CUDA calls are made outside the lock.
+class pinned_pool : public std::pmr::memory_resource {
+public:
+    /// The smallest alignment and size step of a block.
+    static constexpr std::size_t granule = 256;
+
+    explicit pinned_pool(pinned_pool_options options = {})
+        : m_options(std::move(options)) {
+        if (!m_options.upstream) {
+            m_options.upstream = std::make_shared<registered_slab_source>();
+        }
+        if (!m_options.tracker) {
+            m_options.tracker = std::make_shared<event_use_tracker>();
+        }
+        if (m_options.max_pinned_bytes == 0) {
+            m_options.max_pinned_bytes = detail::physical_memory_bytes() / 4;
+        }
+        if (m_options.slab_bytes == 0) {
+            throw usage_error("pinned_pool: slab_bytes must be non-zero");
+        }
+        m_options.slab_bytes = heap::round_up(m_options.slab_bytes, slab_alignment);
+    }
+
+    pinned_pool(const pinned_pool&) = delete;
+    pinned_pool& operator=(const pinned_pool&) = delete;
+
+    /// Waits for blocks still pending reuse, reports (on stderr) blocks still handed out, and
+    /// gives every slab without such blocks back. Slabs holding leaked blocks stay mapped, so a
+    /// late access through a leaked pointer does not fault.
+    ~pinned_pool() override {
+        drain_pending();
+        std::vector<std::pair<void*, std::size_t>> slabs;
+        {
+            std::lock_guard lock(m_mutex);
+            if (m_used.size() != 0) {
+                std::string sizes;
+                int listed = 0;
+                m_used.for_each([&](const void*, block* b) {
+                    if (listed++ < 16) {
+                        sizes += (sizes.empty() ? "" : ", ") + std::to_string(b->requested);
+                    }
+                });
+                std::fprintf(stderr,
+                             "cudawait: pinned_pool destroyed with %zu block(s) still handed out "
+                             "(%zu bytes): sizes %s%s\n",
+                             m_used.size(), m_in_use, sizes.c_str(),
+                             m_used.size() > 16 ? ", ..." : "");
+            }
+            for (const auto& r : m_heap.regions()) {
+                if (heap::region_unused(r.get())) {
+                    slabs.emplace_back(r->base, r->bytes);
+                }
+            }
+        }
+        for (auto [p, n] : slabs) {
+            m_options.upstream->deallocate(p, n);
+        }
+    }
+
+    /// A block of at least `bytes`, aligned to `alignment` (a power of two up to 2 MiB; at
+    /// least 256 is given).
+    /// @throws usage_error for zero bytes or a bad alignment; pool_exhausted at the cap;
+    ///         cuda_error or std::bad_alloc when the upstream fails
+    [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment = granule) {
+        if (bytes == 0) {
+            throw usage_error("pinned_pool::allocate: zero bytes requested");
+        }
+        if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > slab_alignment) {
+            throw usage_error("pinned_pool::allocate: alignment must be a power of two, at most "
+                              "2 MiB");
+        }
+        if (bytes > max_request) {
+            throw pool_exhausted(bytes, stats().in_use_bytes, m_options.max_pinned_bytes);
+        }
+        std::size_t size = heap::round_up(bytes, granule);
+        std::size_t align = std::max(alignment, granule);
+        if (size >= m_options.large_block_bytes) {
+            align = slab_alignment;
+        }
+        {
+            std::lock_guard lock(m_mutex);
+            if (block* b = m_heap.allocate(size, align)) {
+                ++m_hits;
+                return hand_out(b, bytes);
+            }
+        }
+        return allocate_slow(bytes, size, align);
+    }
+
+    /// Gives a block back. Without recorded uses it is free at once; otherwise it waits, out of
+    /// circulation, until the GPU passed every recorded point.
+    /// @throws usage_error when `p` is not a block handed out by this pool
+    void deallocate(void* p) {
+        std::lock_guard lock(m_mutex);
+        block* b = take_back(p);
+        if (b->uses.empty()) {
+            m_heap.free(b);
+            return;
+        }
+        b->pending = true;
+        b->next_pending = nullptr;
+        if (m_pending_tail != nullptr) {
+            m_pending_tail->next_pending = b;
+        } else {
+            m_pending_head = b;
+        }
+        m_pending_tail = b;
+        m_pending_bytes += b->size;
+    }
+    /// The cuda::mr / std::pmr form; size and alignment are not needed.
+    void deallocate(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
+
+    /// Records that work enqueued on `s` so far may use the block holding `p` (an interior
+    /// pointer is fine). Once freed, the block is reused only after that work completed.
+    /// @throws usage_error when `p` is not in a block handed out by this pool; cuda_error
+    void record_use(const void* p, stream_ref s) {
+        use_token t = m_options.tracker->record(s);
+        use_token old{};
+        bool replaced = false;
+        {
+            std::unique_lock lock(m_mutex);
+            block* b = find_used(p);
+            if (b == nullptr) {
+                lock.unlock();
+                m_options.tracker->release(t);
+                throw usage_error("pinned_pool::record_use: pointer is not in a block handed out "
+                                  "by this pool");
+            }
+            for (auto& [stream, token] : b->uses) {
+                if (stream == s.get()) {
+                    // Work on one stream completes in order: the newer mark covers the older.
+                    old = std::exchange(token, t);
+                    replaced = true;
+                    break;
+                }
+            }
+            if (!replaced) {
+                b->uses.emplace_back(s.get(), t);
+            }
+        }
+        if (replaced) {
+            m_options.tracker->release(old);
+        }
+    }
+
+    /// True when `p` lies in memory this pool holds.
+    [[nodiscard]] bool owns(const void* p) const {
+        std::lock_guard lock(m_mutex);
+        return m_heap.region_of(p) != nullptr;
+    }
+
+    /// Grows the pool until it holds at least `bytes` page-locked bytes.
+    /// @throws pool_exhausted past the cap; cuda_error or std::bad_alloc from the upstream
+    void reserve(std::size_t bytes) {
+        for (;;) {
+            std::size_t step = 0;
+            {
+                std::lock_guard lock(m_mutex);
+                std::size_t held = m_reserved + m_growing;
+                if (held >= bytes) {
+                    return;
+                }
+                step = std::min(heap::round_up(bytes - held, slab_alignment),
+                                registered_slab_source::max_slab_bytes);
+                if (held + step > m_options.max_pinned_bytes) {
+                    throw pool_exhausted(bytes - held, m_in_use, m_options.max_pinned_bytes);
+                }
+                m_growing += step;
+            }
+            grow(step);
+        }
+    }
+
+    /// Moves blocks whose recorded uses completed back into circulation (this also happens on
+    /// its own before the pool grows). Returns the bytes made free.
+    std::size_t collect() {
+        block* list = nullptr;
+        {
+            std::lock_guard lock(m_mutex);
+            list = m_pending_head;
+            m_pending_head = m_pending_tail = nullptr;
+        }
+        if (list == nullptr) {
+            return 0;
+        }
+        std::vector<block*> done;
+        std::vector<block*> waiting;
+        for (block* b = list; b != nullptr; b = static_cast<block*>(b->next_pending)) {
+            (all_done(b) ? done : waiting).push_back(b);
+        }
+        std::vector<use_token> tokens;
+        std::size_t freed = 0;
+        {
+            std::lock_guard lock(m_mutex);
+            for (block* b : done) {
+                for (auto& u : b->uses) {
+                    tokens.push_back(u.second);
+                }
+                b->uses.clear();
+                b->pending = false;
+                m_pending_bytes -= b->size;
+                freed += b->size;
+                m_heap.free(b);
+            }
+            // Still pending: back in front of anything freed meanwhile, in their old order.
+            block* head = nullptr;
+            for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
+                (*it)->next_pending = head;
+                head = *it;
+            }
+            if (head != nullptr) {
+                waiting.back()->next_pending = m_pending_head;
+                if (m_pending_head == nullptr) {
+                    m_pending_tail = waiting.back();
+                }
+                m_pending_head = head;
+            }
+        }
+        for (use_token t : tokens) {
+            m_options.tracker->release(t);
+        }
+        return freed;
+    }
+
+    /// Gives slabs with nothing handed out or pending back to the upstream. Returns the bytes.
+    std::size_t release_unused() {
+        collect();
+        std::vector<std::pair<void*, std::size_t>> slabs;
+        {
+            std::lock_guard lock(m_mutex);
+            std::vector<heap::region*> unused;
+            for (const auto& r : m_heap.regions()) {
+                if (heap::region_unused(r.get())) {
+                    unused.push_back(r.get());
+                }
+            }
+            for (heap::region* r : unused) {
+                slabs.emplace_back(r->base, r->bytes);
+                m_reserved -= r->bytes;
+                m_heap.remove_region(r);
+            }
+        }
+        std::size_t bytes = 0;
+        for (auto [p, n] : slabs) {
+            m_options.upstream->deallocate(p, n);
+            bytes += n;
+        }
+        return bytes;
+    }
+
+    [[nodiscard]] pinned_pool_stats stats() const {
+        std::lock_guard lock(m_mutex);
+        pinned_pool_stats s;
+        s.in_use_bytes = m_in_use;
+        s.requested_bytes = m_requested;
+        s.reserved_bytes = m_reserved;
+        s.peak_in_use_bytes = m_peak_in_use;
+        s.peak_reserved_bytes = m_peak_reserved;
+        s.pending_bytes = m_pending_bytes;
+        s.blocks_in_use = m_used.size();
+        s.hits = m_hits;
+        s.misses = m_misses;
+        s.growth_count = m_growth_count;
+        s.growth_time = m_growth_time;
+        return s;
+    }
+
+    /// The cap on page-locked bytes.
+    [[nodiscard]] std::size_t max_pinned_bytes() const noexcept {
+        return m_options.max_pinned_bytes;
+    }
+
+    /// Pool capacity for an N-stage pipeline: every stage double-buffered, in and out.
+    [[nodiscard]] static constexpr std::size_t size_for(std::size_t stages,
+                                                        std::size_t max_batch_bytes) noexcept {
+        return stages * max_batch_bytes * 2;
+    }
+
+    /// The cuda::mr synchronous-resource spelling of allocate / deallocate (CCCL 3.1 and later).
+    [[nodiscard]] void* allocate_sync(std::size_t bytes, std::size_t alignment = granule) {
+        return allocate(bytes, alignment);
+    }
+    void deallocate_sync(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
+
+    friend bool operator==(const pinned_pool& a, const pinned_pool& b) noexcept { return &a == &b; }
+
+#if CUDAWAIT_HAS_CUDA_MR
+    friend constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexcept {}
+    friend constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
+#endif
+
+private:
+    using heap = detail::block_heap<detail::pool_block_extra>;
+    using block = heap::block;
+
+    static constexpr std::size_t slab_alignment = 2_MiB;
+    static constexpr std::size_t max_request = std::size_t{1} << 46;
+
+    void* do_allocate(std::size_t bytes, std::size_t alignment) override {
+        return allocate(bytes, alignment);
+    }
+    void do_deallocate(void* p, std::size_t, std::size_t) override { deallocate(p); }
+    bool do_is_equal(const std::pmr::memory_resource& other) const noexcept override {
+        return this == &other;
+    }
+
+    // Under the lock.
+    void* hand_out(block* b, std::size_t requested) {
+        b->requested = requested;
+        m_used.insert(b->ptr, b);
+        m_in_use += b->size;
+        m_requested += requested;
+        m_peak_in_use = std::max(m_peak_in_use, m_in_use);
+        return b->ptr;
+    }
+
+    // Under the lock.
+    block* take_back(void* p) {
+        block** found = m_used.find(p);
+        if (found == nullptr) {
+            throw usage_error("pinned_pool::deallocate: pointer was not handed out by this pool "
+                              "(or was freed already)");
+        }
+        block* b = *found;
+        m_used.erase(p);
+        m_in_use -= b->size;
+        m_requested -= b->requested;
+        return b;
+    }
+
+    // Under the lock: the handed-out block holding `p`.
+    block* find_used(const void* p) {
+        if (block** found = m_used.find(p)) {
+            return *found;
+        }
+        block* b = m_heap.containing(p);
+        if (b == nullptr || b->is_free || b->pending) {
+            return nullptr;
+        }
+        return b;
+    }
+
+    bool all_done(block* b) {
+        for (auto& u : b->uses) {
+            try {
+                if (!m_options.tracker->done(u.second)) {
+                    return false;
+                }
+            } catch (const cuda_error& e) {
+                // The context is broken: the device touches no memory any more, so the block is
+                // safe to reuse. The error itself resurfaces at the next CUDA call.
+                std::fprintf(stderr, "cudawait: pinned_pool: %s\n", e.what());
+            }
+        }
+        return true;
+    }
+
+    void* allocate_slow(std::size_t bytes, std::size_t size, std::size_t align) {
+        bool released = false;
+        for (;;) {
+            collect();
+            std::size_t step = 0;
+            {
+                std::lock_guard lock(m_mutex);
+                if (block* b = m_heap.allocate(size, align)) {
+                    ++m_hits;
+                    return hand_out(b, bytes);
+                }
+                std::size_t need = heap::round_up(size, slab_alignment);
+                std::size_t held = m_reserved + m_growing;
+                std::size_t cap = m_options.max_pinned_bytes;
+                if (held + need <= cap) {
+                    step = std::min(std::max(need, m_options.slab_bytes), cap - held);
+                    step = step / slab_alignment * slab_alignment;
+                    m_growing += step;
+                } else if (released) {
+                    throw pool_exhausted(bytes, m_in_use, cap);
+                }
+            }
+            if (step == 0) {
+                // At the cap: hand cached slabs back, then try once more.
+                release_unused();
+                released = true;
+                continue;
+            }
+            grow(step);
+            std::lock_guard lock(m_mutex);
+            if (block* b = m_heap.allocate(size, align)) {
+                ++m_misses;
+                return hand_out(b, bytes);
+            }
+            // Another thread took the new memory first: go round again.
+        }
+    }
+
+    // `step` was added to m_growing under the lock by the caller.
+    void grow(std::size_t step) {
+        auto start = std::chrono::steady_clock::now();
+        void* p = nullptr;
+        try {
+            p = m_options.upstream->allocate(step);
+        } catch (...) {
+            std::lock_guard lock(m_mutex);
+            m_growing -= step;
+            throw;
+        }
+        auto elapsed = std::chrono::steady_clock::now() - start;
+        std::lock_guard lock(m_mutex);
+        m_growing -= step;
+        try {
+            m_heap.add_region(static_cast<std::byte*>(p), step);
+        } catch (...) {
+            m_options.upstream->deallocate(p, step);
+            throw;
+        }
+        m_reserved += step;
+        m_peak_reserved = std::max(m_peak_reserved, m_reserved);
+        ++m_growth_count;
+        m_growth_time += std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
+    }
+
+    void drain_pending() noexcept {
+        block* list = nullptr;
+        {
+            std::lock_guard lock(m_mutex);
+            list = m_pending_head;
+            m_pending_head = m_pending_tail = nullptr;
+        }
+        for (block* b = list; b != nullptr;) {
+            auto* next = static_cast<block*>(b->next_pending);
+            for (auto& u : b->uses) {
+                try {
+                    m_options.tracker->wait(u.second);
+                } catch (const std::exception& e) {
+                    std::fprintf(stderr, "cudawait: pinned_pool: %s\n", e.what());
+                }
+                m_options.tracker->release(u.second);
+            }
+            std::lock_guard lock(m_mutex);
+            b->uses.clear();
+            b->pending = false;
+            m_pending_bytes -= b->size;
+            m_heap.free(b);
+            b = next;
+        }
+    }
+
+    pinned_pool_options m_options;
+    mutable std::mutex m_mutex;
+    heap m_heap;
+    detail::ptr_map<block*> m_used;
+    block* m_pending_head = nullptr;
+    block* m_pending_tail = nullptr;
+    std::size_t m_in_use = 0;
+    std::size_t m_requested = 0;
+    std::size_t m_reserved = 0;
+    std::size_t m_growing = 0;
+    std::size_t m_peak_in_use = 0;
+    std::size_t m_peak_reserved = 0;
+    std::size_t m_pending_bytes = 0;
+    std::uint64_t m_hits = 0;
+    std::uint64_t m_misses = 0;
+    std::uint64_t m_growth_count = 0;
+    std::chrono::nanoseconds m_growth_time{0};
+};
+
+/// The process-wide pool that copies stage pageable memory through. It lives until the process
+/// ends (it is never destroyed, so no static destruction order can free memory still in use).
+[[nodiscard]] inline pinned_pool& default_pinned_pool() {
+    static pinned_pool* pool = new pinned_pool();
+    return *pool;
+}
+
+} // namespace cudawait

@@ -1,0 +1,755 @@
+// SPDX-License-Identifier: Apache-2.0
+// The cuda::mr properties of CCCL 3.0 are declared only behind this switch.
+#define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+#include <cudawait/pinned_pool.hpp>
+
+#include "gpu_fixture.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory_resource>
+#include <random>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace cudawait::literals;
+using cudawait::pinned_pool;
+using cudawait::pinned_pool_options;
+using cudawait::pool_exhausted;
+using cudawait::usage_error;
+using cudawait::use_token;
+
+#if CUDAWAIT_HAS_CUDA_MR
+#if CCCL_VERSION >= 3001000
+static_assert(cuda::mr::synchronous_resource_with<pinned_pool, cuda::mr::host_accessible,
+                                                  cuda::mr::device_accessible>);
+#else
+static_assert(cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible,
+                                      cuda::mr::device_accessible>);
+#endif
+#endif
+static_assert(std::is_base_of_v<std::pmr::memory_resource, pinned_pool>);
+static_assert(std::is_base_of_v<std::bad_alloc, pool_exhausted>);
+
+// ---- host-only stand-ins for the upstream and for GPU completion ------------------------------
+
+/// Slabs from the C heap, counted. Whatever the pool leaks is freed here at the end.
+class heap_slabs final : public cudawait::slab_source {
+public:
+    ~heap_slabs() override {
+        for (auto [p, n] : m_live) {
+            std::free(p);
+        }
+    }
+    void* allocate(std::size_t bytes) override {
+        if (fail_next) {
+            fail_next = false;
+            throw std::bad_alloc();
+        }
+        EXPECT_EQ(bytes % 2_MiB, 0u);
+        void* p = std::aligned_alloc(2_MiB, bytes);
+        if (p == nullptr) {
+            throw std::bad_alloc();
+        }
+        m_live.emplace(p, bytes);
+        ++allocations;
+        return p;
+    }
+    void deallocate(void* p, std::size_t bytes) noexcept override {
+        auto it = m_live.find(p);
+        EXPECT_NE(it, m_live.end());
+        if (it != m_live.end()) {
+            EXPECT_EQ(it->second, bytes);
+            m_live.erase(it);
+        }
+        ++deallocations;
+        std::free(p);
+    }
+    [[nodiscard]] std::size_t live_bytes() const {
+        std::size_t n = 0;
+        for (auto [p, b] : m_live) {
+            n += b;
+        }
+        return n;
+    }
+
+    bool fail_next = false;
+    int allocations = 0;
+    int deallocations = 0;
+
+private:
+    std::unordered_map<void*, std::size_t> m_live;
+};
+
+/// Completion the test decides: record() hands out a numbered mark, complete(i) finishes it.
+class manual_tracker final : public cudawait::use_tracker {
+public:
+    use_token record(cudawait::stream_ref) override {
+        std::lock_guard lock(m_mutex);
+        m_done.push_back(false);
+        ++outstanding;
+        return {reinterpret_cast<void*>(m_done.size()), 0};
+    }
+    bool done(use_token t) override {
+        std::lock_guard lock(m_mutex);
+        ++queries;
+        return m_done.at(index(t));
+    }
+    void wait(use_token t) override {
+        std::lock_guard lock(m_mutex);
+        ++waits;
+        m_done.at(index(t)) = true;
+    }
+    void release(use_token) noexcept override {
+        std::lock_guard lock(m_mutex);
+        --outstanding;
+    }
+    void complete(std::size_t mark) {
+        std::lock_guard lock(m_mutex);
+        m_done.at(mark) = true;
+    }
+    [[nodiscard]] std::size_t marks() {
+        std::lock_guard lock(m_mutex);
+        return m_done.size();
+    }
+
+    int outstanding = 0;
+    int queries = 0;
+    int waits = 0;
+
+private:
+    static std::size_t index(use_token t) { return reinterpret_cast<std::size_t>(t.handle) - 1; }
+    std::mutex m_mutex;
+    std::vector<bool> m_done;
+};
+
+// Stream handles are only compared by the pool when a stand-in tracker is used.
+cudawait::stream_ref fake_stream(std::uintptr_t n) {
+    return cudawait::stream_ref(reinterpret_cast<cudaStream_t>(n));
+}
+
+struct host_pool {
+    std::shared_ptr<heap_slabs> slabs = std::make_shared<heap_slabs>();
+    std::shared_ptr<manual_tracker> tracker = std::make_shared<manual_tracker>();
+
+    pinned_pool_options options(std::size_t cap = 1_GiB, std::size_t slab = 64_MiB) const {
+        pinned_pool_options o;
+        o.max_pinned_bytes = cap;
+        o.slab_bytes = slab;
+        o.upstream = slabs;
+        o.tracker = tracker;
+        return o;
+    }
+};
+
+void fill(void* p, std::size_t n, std::uint8_t v) { std::memset(p, v, n); }
+bool all_equal(const void* p, std::size_t n, std::uint8_t v) {
+    auto* b = static_cast<const std::uint8_t*>(p);
+    return std::all_of(b, b + n, [v](std::uint8_t x) { return x == v; });
+}
+
+// ---- the block heap on its own ---------------------------------------------------------------
+
+struct no_extra {};
+using test_heap = cudawait::detail::block_heap<no_extra>;
+
+TEST(block_heap, random_workload_keeps_blocks_disjoint_aligned_and_coalesces_fully) {
+    test_heap heap;
+    // Two regions at fake, 2 MiB-aligned addresses: the heap never touches the memory.
+    auto* base1 = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    auto* base2 = reinterpret_cast<std::byte*>((std::uintptr_t{1} << 40) + (std::uintptr_t{1} << 34));
+    auto* r1 = heap.add_region(base1, 256_MiB);
+    auto* r2 = heap.add_region(base2, 64_MiB);
+    std::mt19937_64 rng(7);
+    std::map<std::byte*, std::pair<std::size_t, test_heap::block*>> live;
+    std::size_t live_bytes = 0;
+    for (int step = 0; step < 20000; ++step) {
+        if (live.empty() || rng() % 100 < 55) {
+            std::size_t size = 1 + rng() % (rng() % 4 == 0 ? 8_MiB : 64_KiB);
+            std::size_t align = std::size_t{256} << (rng() % 4 == 0 ? rng() % 14 : 0);
+            test_heap::block* b = heap.allocate(size, align);
+            if (b == nullptr) {
+                continue;
+            }
+            ASSERT_GE(b->size, size);
+            ASSERT_LT(b->size, size + 256 + 1) << "split to the rounded size, no class rounding";
+            ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b->ptr) % align, 0u);
+            auto next = live.lower_bound(b->ptr);
+            if (next != live.end()) {
+                ASSERT_LE(b->ptr + b->size, next->first) << "overlaps the next live block";
+            }
+            if (next != live.begin()) {
+                auto prev = std::prev(next);
+                ASSERT_LE(prev->first + prev->second.first, b->ptr) << "overlaps the previous";
+            }
+            live.emplace(b->ptr, std::pair{b->size, b});
+            live_bytes += b->size;
+        } else {
+            auto it = live.begin();
+            std::advance(it, static_cast<long>(rng() % live.size()));
+            live_bytes -= it->second.first;
+            heap.free(it->second.second);
+            live.erase(it);
+        }
+        ASSERT_EQ(heap.free_bytes() + live_bytes, 320_MiB);
+    }
+    for (auto& [p, v] : live) {
+        EXPECT_EQ(heap.containing(p + v.first - 1), v.second);
+        heap.free(v.second);
+    }
+    EXPECT_TRUE(test_heap::region_unused(r1));
+    EXPECT_TRUE(test_heap::region_unused(r2));
+    EXPECT_EQ(heap.largest_free(), 256_MiB);
+    heap.remove_region(r2);
+    EXPECT_EQ(heap.free_bytes(), 256_MiB);
+    EXPECT_EQ(heap.region_of(base2), nullptr);
+}
+
+TEST(block_heap, finds_a_fit_in_every_size_class) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    heap.add_region(base, 1_GiB);
+    // Exact-size requests across the whole range, each followed by a free, always fit.
+    for (std::size_t size = 256; size <= 1_GiB; size = size * 3 / 2 + 256) {
+        test_heap::block* b = heap.allocate(size, 256);
+        ASSERT_NE(b, nullptr) << size;
+        heap.free(b);
+    }
+    test_heap::block* all = heap.allocate(1_GiB, 2_MiB);
+    ASSERT_NE(all, nullptr);
+    EXPECT_EQ(heap.allocate(256, 256), nullptr);
+    heap.free(all);
+}
+
+TEST(ptr_map, matches_a_standard_map_under_random_inserts_and_erases) {
+    cudawait::detail::ptr_map<int> m;
+    std::unordered_map<const void*, int> ref;
+    std::mt19937_64 rng(3);
+    for (int i = 0; i < 200000; ++i) {
+        auto* key = reinterpret_cast<const void*>((1 + rng() % 5000) * 256);
+        if (rng() % 3 == 0) {
+            EXPECT_EQ(m.erase(key), ref.erase(key) == 1);
+        } else {
+            int v = static_cast<int>(rng());
+            m.insert(key, v);
+            ref[key] = v;
+        }
+    }
+    ASSERT_EQ(m.size(), ref.size());
+    for (auto [k, v] : ref) {
+        int* found = m.find(k);
+        ASSERT_NE(found, nullptr);
+        EXPECT_EQ(*found, v);
+    }
+    EXPECT_EQ(m.find(reinterpret_cast<const void*>(std::uintptr_t{77})), nullptr);
+}
+
+// ---- pool bookkeeping, without a GPU ---------------------------------------------------------
+
+TEST(pinned_pool, blocks_are_disjoint_and_large_ones_2mib_aligned) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    std::vector<std::pair<void*, std::size_t>> blocks;
+    std::mt19937_64 rng(11);
+    for (int i = 0; i < 200; ++i) {
+        std::size_t n = 1 + rng() % (i % 10 == 0 ? 6_MiB : 300_KiB);
+        void* p = pool.allocate(n);
+        EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0u);
+        if (n >= 2_MiB) {
+            EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 2_MiB, 0u) << n;
+        }
+        fill(p, n, static_cast<std::uint8_t>(i));
+        blocks.emplace_back(p, n);
+    }
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+        EXPECT_TRUE(all_equal(blocks[i].first, blocks[i].second, static_cast<std::uint8_t>(i)))
+            << "block " << i << " was overwritten by another";
+        pool.deallocate(blocks[i].first);
+    }
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+}
+
+TEST(block_heap, a_block_of_just_the_right_size_is_found) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    heap.add_region(base, 202_MiB);
+    test_heap::block* b = heap.allocate(200_MiB + 256, 2_MiB);
+    ASSERT_NE(b, nullptr) << "the only block fits, though its size class is below the request's";
+    EXPECT_EQ(b->ptr, base);
+    heap.free(b);
+}
+
+TEST(block_heap, an_aligned_request_finds_a_block_whose_class_the_padded_search_skips) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    heap.add_region(base, 64_MiB);
+    test_heap::block* small = heap.allocate(300_KiB, 256);
+    ASSERT_NE(small, nullptr);
+    // The rest of the first region is unaligned; the second region is the only fit.
+    heap.add_region(base + 1_GiB, 64_MiB);
+    test_heap::block* b = heap.allocate(65956658, 2_MiB);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(b->ptr, base + 1_GiB);
+    heap.free(b);
+    heap.free(small);
+}
+
+TEST(pinned_pool, large_requests_are_not_rounded_to_powers_of_two) {
+    host_pool h;
+    pinned_pool pool(h.options(1_GiB, 2_MiB));
+    void* p = pool.allocate(33_MiB + 1);
+    EXPECT_EQ(pool.stats().in_use_bytes, 33_MiB + 256);
+    EXPECT_EQ(pool.stats().reserved_bytes, 34_MiB);
+    pool.deallocate(p);
+    // A size whose segregated-fit class lies above its slab still fits in that slab.
+    void* q = pool.allocate(200_MiB + 1);
+    EXPECT_EQ(pool.stats().reserved_bytes, 34_MiB + 202_MiB);
+    pool.deallocate(q);
+}
+
+// Rounds of a batch of mixed sizes (1 KiB to 64 MiB, log-uniform, 2 GiB in all), each freed
+// before the next: the pool must not waste more than 15% over the peak it was asked for.
+TEST(pinned_pool, waste_stays_bounded_on_a_mixed_workload) {
+    host_pool h;
+    pinned_pool pool(h.options(8_GiB));
+    std::mt19937_64 rng(5);
+    std::uniform_real_distribution<double> log_size(std::log(1024.0), std::log(64.0 * (1 << 20)));
+    std::size_t peak = 0;
+    for (int round = 0; round < 30; ++round) {
+        std::vector<void*> live;
+        std::size_t live_bytes = 0;
+        while (live_bytes < 2_GiB) {
+            auto n = static_cast<std::size_t>(std::exp(log_size(rng)));
+            live.push_back(pool.allocate(n));
+            live_bytes += n;
+        }
+        peak = std::max(peak, live_bytes);
+        std::shuffle(live.begin(), live.end(), rng);
+        for (void* p : live) {
+            pool.deallocate(p);
+        }
+    }
+    auto s = pool.stats();
+    double waste = static_cast<double>(s.peak_reserved_bytes) / static_cast<double>(peak);
+    RecordProperty("waste_ratio", std::to_string(waste));
+    EXPECT_LE(waste, 1.15) << "reserved " << s.peak_reserved_bytes << " for a peak of " << peak;
+    EXPECT_GT(s.hits, s.misses * 10);
+}
+
+TEST(pinned_pool, freed_block_is_not_reused_until_its_use_completed) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    void* a = pool.allocate(1_MiB);
+    pool.record_use(a, fake_stream(1));
+    pool.deallocate(a);
+    EXPECT_EQ(pool.stats().pending_bytes, 1_MiB);
+    // The same request while the GPU may still use `a`: a different block.
+    void* b = pool.allocate(1_MiB);
+    EXPECT_NE(b, a);
+    EXPECT_GE(std::abs(static_cast<std::byte*>(b) - static_cast<std::byte*>(a)),
+              static_cast<std::ptrdiff_t>(1_MiB));
+    EXPECT_EQ(pool.collect(), 0u) << "nothing completed yet";
+    h.tracker->complete(0);
+    EXPECT_EQ(pool.collect(), 1_MiB);
+    EXPECT_EQ(pool.stats().pending_bytes, 0u);
+    void* c = pool.allocate(1_MiB);
+    EXPECT_EQ(c, a) << "the completed block is back in circulation";
+    pool.deallocate(b);
+    pool.deallocate(c);
+    EXPECT_EQ(h.tracker->outstanding, 0);
+}
+
+TEST(pinned_pool, every_stream_that_used_a_block_must_finish) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    auto* a = static_cast<std::byte*>(pool.allocate(4_MiB));
+    pool.record_use(a, fake_stream(1));            // mark 0
+    pool.record_use(a + 12345, fake_stream(2));    // mark 1: an interior pointer counts
+    pool.record_use(a, fake_stream(1));            // mark 2 replaces mark 0 (same stream)
+    EXPECT_EQ(h.tracker->outstanding, 2);
+    pool.deallocate(a);
+    h.tracker->complete(2);
+    EXPECT_EQ(pool.collect(), 0u) << "stream 2 has not finished";
+    h.tracker->complete(1);
+    EXPECT_EQ(pool.collect(), 4_MiB);
+    EXPECT_EQ(h.tracker->outstanding, 0);
+}
+
+TEST(pinned_pool, growth_collects_completed_blocks_before_asking_the_upstream) {
+    host_pool h;
+    pinned_pool pool(h.options(1_GiB, 64_MiB));
+    void* a = pool.allocate(64_MiB);
+    pool.record_use(a, fake_stream(1));
+    pool.deallocate(a);
+    h.tracker->complete(0);
+    void* b = pool.allocate(64_MiB); // a miss in the free lists; collection finds `a`
+    EXPECT_EQ(b, a);
+    EXPECT_EQ(h.slabs->allocations, 1);
+    pool.deallocate(b);
+}
+
+TEST(pinned_pool, at_the_cap_free_slabs_are_released_and_the_request_retried) {
+    host_pool h;
+    pinned_pool pool(h.options(192_MiB, 64_MiB));
+    void* a = pool.allocate(64_MiB);
+    void* b = pool.allocate(64_MiB);
+    void* c = pool.allocate(64_MiB);
+    EXPECT_EQ(pool.stats().reserved_bytes, 192_MiB);
+    pool.deallocate(a);
+    pool.deallocate(c);
+    // 128 MiB fits in no slab; growing would pass the cap, so the two free slabs go back first.
+    void* d = pool.allocate(128_MiB);
+    EXPECT_EQ(h.slabs->deallocations, 2);
+    EXPECT_EQ(pool.stats().reserved_bytes, 192_MiB);
+    fill(d, 128_MiB, 0x5a);
+    fill(b, 64_MiB, 0xa5);
+    EXPECT_TRUE(all_equal(d, 128_MiB, 0x5a));
+    pool.deallocate(b);
+    pool.deallocate(d);
+}
+
+TEST(pinned_pool, past_the_cap_throws_pool_exhausted_with_the_figures) {
+    host_pool h;
+    pinned_pool pool(h.options(128_MiB, 64_MiB));
+    void* a = pool.allocate(100_MiB);
+    try {
+        (void)pool.allocate(60_MiB);
+        ADD_FAILURE() << "no exception";
+    } catch (const pool_exhausted& e) {
+        EXPECT_EQ(e.requested(), 60_MiB);
+        EXPECT_EQ(e.in_use(), 100_MiB);
+        EXPECT_EQ(e.cap(), 128_MiB);
+        std::string what = e.what();
+        EXPECT_NE(what.find(std::to_string(60_MiB)), std::string::npos) << what;
+        EXPECT_NE(what.find(std::to_string(128_MiB)), std::string::npos) << what;
+    }
+    EXPECT_THROW((void)pool.allocate(60_MiB), std::bad_alloc);
+    // What was handed out is untouched and still usable.
+    fill(a, 100_MiB, 0x11);
+    EXPECT_TRUE(all_equal(a, 100_MiB, 0x11));
+    EXPECT_THROW(pool.reserve(1_GiB), pool_exhausted);
+    pool.deallocate(a);
+    EXPECT_NO_THROW(pool.deallocate(pool.allocate(60_MiB)));
+}
+
+TEST(pinned_pool, default_cap_is_a_quarter_of_physical_memory) {
+    host_pool h;
+    pinned_pool_options o = h.options(0);
+    pinned_pool pool(o);
+    EXPECT_EQ(pool.max_pinned_bytes(), cudawait::detail::physical_memory_bytes() / 4);
+    EXPECT_GT(pool.max_pinned_bytes(), 0u);
+}
+
+TEST(pinned_pool, a_failing_upstream_leaves_the_pool_consistent) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    void* a = pool.allocate(1_MiB);
+    fill(a, 1_MiB, 0x33);
+    h.slabs->fail_next = true;
+    EXPECT_THROW((void)pool.allocate(100_MiB), std::bad_alloc);
+    EXPECT_TRUE(all_equal(a, 1_MiB, 0x33));
+    void* b = pool.allocate(100_MiB);
+    EXPECT_NE(b, nullptr);
+    pool.deallocate(a);
+    pool.deallocate(b);
+}
+
+TEST(pinned_pool, stats_count_hits_misses_growth_and_peaks) {
+    host_pool h;
+    pinned_pool pool(h.options(1_GiB, 64_MiB));
+    pool.reserve(128_MiB);
+    auto s0 = pool.stats();
+    EXPECT_EQ(s0.reserved_bytes, 128_MiB);
+    EXPECT_EQ(s0.growth_count, 1u);
+    EXPECT_GT(s0.growth_time.count(), 0);
+    void* a = pool.allocate(10_MiB);
+    void* b = pool.allocate(3000);
+    auto s1 = pool.stats();
+    EXPECT_EQ(s1.hits, 2u);
+    EXPECT_EQ(s1.misses, 0u);
+    EXPECT_EQ(s1.in_use_bytes, 10_MiB + 3072);
+    EXPECT_EQ(s1.requested_bytes, 10_MiB + 3000);
+    EXPECT_EQ(s1.blocks_in_use, 2u);
+    void* c = pool.allocate(200_MiB);
+    auto s2 = pool.stats();
+    EXPECT_EQ(s2.misses, 1u);
+    EXPECT_EQ(s2.growth_count, 2u);
+    EXPECT_EQ(s2.peak_in_use_bytes, 210_MiB + 3072);
+    pool.deallocate(c);
+    pool.deallocate(a);
+    pool.deallocate(b);
+    auto s3 = pool.stats();
+    EXPECT_EQ(s3.in_use_bytes, 0u);
+    EXPECT_EQ(s3.peak_in_use_bytes, 210_MiB + 3072);
+    EXPECT_EQ(s3.peak_reserved_bytes, 328_MiB);
+    EXPECT_EQ(pool.release_unused(), 328_MiB);
+    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+    EXPECT_EQ(h.slabs->live_bytes(), 0u);
+}
+
+TEST(pinned_pool, size_for_follows_the_stages_times_batch_times_two_rule) {
+    EXPECT_EQ(pinned_pool::size_for(3, 64_MiB), 384_MiB);
+    EXPECT_EQ(pinned_pool::size_for(1, 1), 2u);
+}
+
+TEST(pinned_pool, bad_requests_get_typed_errors) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    EXPECT_THROW((void)pool.allocate(0), usage_error);
+    EXPECT_THROW((void)pool.allocate(64, 3), usage_error);
+    EXPECT_THROW((void)pool.allocate(64, 4_MiB), usage_error);
+    int on_stack = 0;
+    EXPECT_THROW(pool.deallocate(&on_stack), usage_error);
+    EXPECT_THROW(pool.record_use(&on_stack, fake_stream(1)), usage_error);
+    EXPECT_EQ(h.tracker->outstanding, 0) << "a rejected record_use gives its mark back";
+    void* p = pool.allocate(100);
+    pool.deallocate(p);
+    EXPECT_THROW(pool.deallocate(p), usage_error) << "double free";
+    EXPECT_THROW(pool.record_use(p, fake_stream(1)), usage_error) << "use after free";
+    EXPECT_EQ(h.tracker->outstanding, 0);
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+}
+
+TEST(pinned_pool, destructor_waits_for_pending_blocks_and_reports_leaks) {
+    host_pool h;
+    ::testing::internal::CaptureStderr();
+    {
+        pinned_pool pool(h.options());
+        void* pending = pool.allocate(1_MiB);
+        pool.record_use(pending, fake_stream(1));
+        pool.deallocate(pending);
+        void* leaked = pool.allocate(12345);
+        fill(leaked, 12345, 0x77);
+        (void)pool.allocate(2_MiB); // a second leak, in the same slab
+    }
+    std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(h.tracker->waits, 1) << "the pending block's use was waited for";
+    EXPECT_EQ(h.tracker->outstanding, 0);
+    EXPECT_NE(err.find("2 block(s) still handed out"), std::string::npos) << err;
+    EXPECT_NE(err.find("12345"), std::string::npos) << err;
+    EXPECT_NE(err.find(std::to_string(2_MiB)), std::string::npos) << err;
+    EXPECT_EQ(h.slabs->deallocations, 0) << "the slab with leaked blocks stays mapped";
+    EXPECT_EQ(h.slabs->live_bytes(), 64_MiB);
+}
+
+TEST(pinned_pool, concurrent_threads_never_share_a_block) {
+    host_pool h;
+    pinned_pool pool(h.options(2_GiB, 64_MiB));
+    std::atomic<int> corrupt{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+        threads.emplace_back([&, t] {
+            std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 100);
+            std::vector<std::pair<void*, std::size_t>> mine;
+            for (int i = 0; i < 3000; ++i) {
+                if (mine.size() < 20 && rng() % 2 == 0) {
+                    std::size_t n = 1 + rng() % 256_KiB;
+                    void* p = pool.allocate(n);
+                    fill(p, n, static_cast<std::uint8_t>(t + 1));
+                    mine.emplace_back(p, n);
+                } else if (!mine.empty()) {
+                    auto [p, n] = mine.back();
+                    mine.pop_back();
+                    if (!all_equal(p, n, static_cast<std::uint8_t>(t + 1))) {
+                        ++corrupt;
+                    }
+                    if (rng() % 4 == 0) {
+                        pool.record_use(p, fake_stream(static_cast<std::uintptr_t>(t) + 1));
+                    }
+                    pool.deallocate(p);
+                }
+                if (i % 500 == 0) {
+                    pool.collect();
+                }
+            }
+            for (auto [p, n] : mine) {
+                pool.deallocate(p);
+            }
+        });
+    }
+    std::thread completer([&] {
+        for (int i = 0; i < 200; ++i) {
+            std::size_t n = h.tracker->marks();
+            for (std::size_t k = 0; k < n; ++k) {
+                h.tracker->complete(k);
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+    });
+    for (auto& t : threads) {
+        t.join();
+    }
+    completer.join();
+    EXPECT_EQ(corrupt.load(), 0);
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+}
+
+TEST(pinned_pool, works_as_a_pmr_memory_resource) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    std::pmr::vector<std::uint64_t> v(&pool);
+    for (std::uint64_t i = 0; i < 100000; ++i) {
+        v.push_back(i * 2654435761u);
+    }
+    for (std::uint64_t i = 0; i < 100000; ++i) {
+        ASSERT_EQ(v[i], i * 2654435761u);
+    }
+    EXPECT_GE(pool.stats().in_use_bytes, 100000 * sizeof(std::uint64_t));
+    EXPECT_TRUE(pool.is_equal(pool));
+    std::pmr::monotonic_buffer_resource other;
+    EXPECT_FALSE(pool.is_equal(other));
+    v = {};
+    v.shrink_to_fit();
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+}
+
+// ---- with a GPU: real page-locked memory ----------------------------------------------------
+
+TEST(pinned_pool_no_device, growth_without_a_device_is_a_cuda_error) {
+    auto child = [] {
+        try {
+            pinned_pool pool;
+            (void)pool.allocate(1_MiB);
+            std::fprintf(stderr, "no exception\n");
+            std::exit(1);
+        } catch (const cudawait::cuda_error& e) {
+            std::fprintf(stderr, "pool growth failed cleanly: %s\n", e.what());
+            std::exit(0);
+        }
+    };
+    CUDAWAIT_EXPECT_IN_CHILD_WITHOUT_DEVICE(child(), "pool growth failed cleanly");
+}
+
+class pinned_pool_gpu : public cudawait::testing::gpu_test {};
+
+TEST_F(pinned_pool_gpu, slabs_are_page_locked_and_usable_by_the_device) {
+    pinned_pool pool;
+    pool.reserve(256_MiB);
+    EXPECT_EQ(pool.stats().reserved_bytes, 256_MiB);
+    const std::size_t n = (3_MiB + 12345) / 4;
+    auto* h = static_cast<std::uint32_t*>(pool.allocate(n * 4));
+    auto* back = static_cast<std::uint32_t*>(pool.allocate(n * 4));
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, h), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+    std::mt19937 rng(21);
+    for (std::size_t i = 0; i < n; ++i) {
+        h[i] = static_cast<std::uint32_t>(rng());
+        back[i] = 0xdeadbeef;
+    }
+    cudawait::stream s;
+    std::uint32_t* d = nullptr;
+    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(d, h, n * 4, cudaMemcpyHostToDevice, s.get()), cudaSuccess);
+    ASSERT_EQ(cudawait::testing::launch_mix(d, n, 99, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(back, d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
+    pool.record_use(h, s);
+    pool.record_use(back, s);
+    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
+    s.sync();
+    cudawait::testing::mix_on_host(h, n, 99);
+    for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(back[i], h[i]) << i;
+    }
+    pool.deallocate(h);
+    pool.deallocate(back);
+    std::size_t block = (n * 4 + 255) / 256 * 256;
+    EXPECT_EQ(pool.collect(), 2 * block) << "the copies finished: both blocks come back";
+    EXPECT_EQ(pool.stats().pending_bytes, 0u);
+}
+
+TEST_F(pinned_pool_gpu, a_block_the_gpu_still_reads_is_not_handed_out_again) {
+    pinned_pool pool;
+    const std::size_t n = 1_MiB / 4;
+    auto* b = static_cast<std::uint32_t*>(pool.allocate(n * 4));
+    std::mt19937 rng(5);
+    std::vector<std::uint32_t> expected(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        b[i] = expected[i] = static_cast<std::uint32_t>(rng());
+    }
+    cudawait::stream s;
+    std::uint32_t* d = nullptr;
+    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d, 0xff, n * 4, s.get()), cudaSuccess);
+    // The kernel reads B over the bus 200 ms from now.
+    ASSERT_EQ(cudawait::testing::launch_delayed_copy(200'000'000, d, b, n, s.get()), cudaSuccess);
+    pool.record_use(b, s);
+    pool.deallocate(b);
+    // Allocate the same size again while the kernel has not read B yet, and scribble on it.
+    std::vector<std::uint32_t*> again;
+    for (int i = 0; i < 4; ++i) {
+        auto* p = static_cast<std::uint32_t*>(pool.allocate(n * 4));
+        EXPECT_NE(p, b) << "B was handed out while the GPU still reads it";
+        std::fill(p, p + n, 0xbad0bad0u);
+        again.push_back(p);
+    }
+    EXPECT_FALSE(cudawait::stream_ref(s).ready()) << "the kernel should still be spinning";
+    std::vector<std::uint32_t> got(n);
+    ASSERT_EQ(cudaMemcpyAsync(got.data(), d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
+    s.sync();
+    for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(got[i], expected[i]) << "the kernel saw new data at " << i;
+    }
+    // Now that the kernel is done, B comes back.
+    EXPECT_EQ(pool.collect(), n * 4);
+    auto* reused = static_cast<std::uint32_t*>(pool.allocate(n * 4));
+    EXPECT_EQ(reused, b);
+    pool.deallocate(reused);
+    for (auto* p : again) {
+        pool.deallocate(p);
+    }
+}
+
+TEST_F(pinned_pool_gpu, destructor_waits_for_the_gpu_before_giving_memory_back) {
+    cudawait::stream s;
+    const std::size_t n = 256_KiB / 4;
+    std::uint32_t* d = nullptr;
+    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
+    std::vector<std::uint32_t> expected(n);
+    {
+        pinned_pool pool;
+        auto* b = static_cast<std::uint32_t*>(pool.allocate(n * 4));
+        std::mt19937 rng(8);
+        for (std::size_t i = 0; i < n; ++i) {
+            b[i] = expected[i] = static_cast<std::uint32_t>(rng());
+        }
+        ASSERT_EQ(cudawait::testing::launch_delayed_copy(100'000'000, d, b, n, s.get()),
+                  cudaSuccess);
+        pool.record_use(b, s);
+        pool.deallocate(b);
+    } // unregisters and unmaps only after the kernel read B
+    std::vector<std::uint32_t> got(n);
+    ASSERT_EQ(cudaMemcpyAsync(got.data(), d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
+    s.sync();
+    EXPECT_EQ(got, expected);
+}
+
+TEST_F(pinned_pool_gpu, release_unused_unregisters_free_slabs) {
+    pinned_pool pool;
+    pool.reserve(128_MiB);
+    void* p = pool.allocate(100_MiB);
+    pool.deallocate(p);
+    EXPECT_EQ(pool.release_unused(), 128_MiB);
+    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, p), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered);
+}
+
+} // namespace
