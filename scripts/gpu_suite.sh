@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU suite: build, run every test (none may be skipped), the benchmarks, then the test
 # programs under compute-sanitizer memcheck. Logs go to $1 (default: gpu-logs/).
-#   scripts/gpu_suite.sh [log-dir] [stages...]     stages: build test bench memcheck (default: all)
+#   scripts/gpu_suite.sh [log-dir] [stages...]     stages: build test bench memcheck racecheck
+#                                                  (default: all)
 set -uo pipefail
 logs=${1:-gpu-logs}
 shift || true
-stages=${*:-build test bench memcheck}
+stages=${*:-build test bench memcheck racecheck}
 mkdir -p "$logs"
 build=build-gpu
 status=0
@@ -43,10 +44,21 @@ if has memcheck; then
     echo "memcheck $bin [$filter]: rc=$rc $(grep -E 'ERROR SUMMARY' "$logs/memcheck.log" | tail -1)"
     [ $rc -eq 0 ] || status=1
   }
-  for t in device stream event; do
-    run_memcheck "${t}_test" '-*fault*:*no_device*' 120
+  for t in device stream event pinned_pool pinned_buffer device_buffer mapped_buffer copy; do
+    run_memcheck "${t}_test" '-*fault*:*no_device*:*without_a_device*' 180
   done
   run_memcheck scheduler_test '-*fault*:*no_device*:*ten_thousand*' 120
   run_memcheck scheduler_test '*ten_thousand*' "${MEMCHECK_LONG_LIMIT:-240}"
+fi
+if has racecheck; then
+  echo "== compute-sanitizer racecheck"
+  : >"$logs/racecheck.log"
+  for t in pinned_pool pinned_buffer device_buffer mapped_buffer copy; do
+    timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
+      "$build/tests/${t}_test" --gtest_filter='-*no_device*:*without_a_device*' >>"$logs/racecheck.log" 2>&1
+    rc=$?
+    echo "racecheck ${t}_test: rc=$rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$logs/racecheck.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+  done
 fi
 exit $status

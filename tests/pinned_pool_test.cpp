@@ -4,6 +4,7 @@
 #include <cudawait/pinned_pool.hpp>
 
 #include "gpu_fixture.hpp"
+#include "host_pool.hpp"
 #include "no_device.hpp"
 #include "test_kernels.hpp"
 
@@ -45,116 +46,8 @@ static_assert(cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible,
 static_assert(std::is_base_of_v<std::pmr::memory_resource, pinned_pool>);
 static_assert(std::is_base_of_v<std::bad_alloc, pool_exhausted>);
 
-// ---- host-only stand-ins for the upstream and for GPU completion ------------------------------
-
-/// Slabs from the C heap, counted. Whatever the pool leaks is freed here at the end.
-class heap_slabs final : public cudawait::slab_source {
-public:
-    ~heap_slabs() override {
-        for (auto [p, n] : m_live) {
-            std::free(p);
-        }
-    }
-    void* allocate(std::size_t bytes) override {
-        if (fail_next) {
-            fail_next = false;
-            throw std::bad_alloc();
-        }
-        EXPECT_EQ(bytes % 2_MiB, 0u);
-        void* p = std::aligned_alloc(2_MiB, bytes);
-        if (p == nullptr) {
-            throw std::bad_alloc();
-        }
-        m_live.emplace(p, bytes);
-        ++allocations;
-        return p;
-    }
-    void deallocate(void* p, std::size_t bytes) noexcept override {
-        auto it = m_live.find(p);
-        EXPECT_NE(it, m_live.end());
-        if (it != m_live.end()) {
-            EXPECT_EQ(it->second, bytes);
-            m_live.erase(it);
-        }
-        ++deallocations;
-        std::free(p);
-    }
-    [[nodiscard]] std::size_t live_bytes() const {
-        std::size_t n = 0;
-        for (auto [p, b] : m_live) {
-            n += b;
-        }
-        return n;
-    }
-
-    bool fail_next = false;
-    int allocations = 0;
-    int deallocations = 0;
-
-private:
-    std::unordered_map<void*, std::size_t> m_live;
-};
-
-/// Completion the test decides: record() hands out a numbered mark, complete(i) finishes it.
-class manual_tracker final : public cudawait::use_tracker {
-public:
-    use_token record(cudawait::stream_ref) override {
-        std::lock_guard lock(m_mutex);
-        m_done.push_back(false);
-        ++outstanding;
-        return {reinterpret_cast<void*>(m_done.size()), 0};
-    }
-    bool done(use_token t) override {
-        std::lock_guard lock(m_mutex);
-        ++queries;
-        return m_done.at(index(t));
-    }
-    void wait(use_token t) override {
-        std::lock_guard lock(m_mutex);
-        ++waits;
-        m_done.at(index(t)) = true;
-    }
-    void release(use_token) noexcept override {
-        std::lock_guard lock(m_mutex);
-        --outstanding;
-    }
-    void complete(std::size_t mark) {
-        std::lock_guard lock(m_mutex);
-        m_done.at(mark) = true;
-    }
-    [[nodiscard]] std::size_t marks() {
-        std::lock_guard lock(m_mutex);
-        return m_done.size();
-    }
-
-    int outstanding = 0;
-    int queries = 0;
-    int waits = 0;
-
-private:
-    static std::size_t index(use_token t) { return reinterpret_cast<std::size_t>(t.handle) - 1; }
-    std::mutex m_mutex;
-    std::vector<bool> m_done;
-};
-
-// Stream handles are only compared by the pool when a stand-in tracker is used.
-cudawait::stream_ref fake_stream(std::uintptr_t n) {
-    return cudawait::stream_ref(reinterpret_cast<cudaStream_t>(n));
-}
-
-struct host_pool {
-    std::shared_ptr<heap_slabs> slabs = std::make_shared<heap_slabs>();
-    std::shared_ptr<manual_tracker> tracker = std::make_shared<manual_tracker>();
-
-    pinned_pool_options options(std::size_t cap = 1_GiB, std::size_t slab = 64_MiB) const {
-        pinned_pool_options o;
-        o.max_pinned_bytes = cap;
-        o.slab_bytes = slab;
-        o.upstream = slabs;
-        o.tracker = tracker;
-        return o;
-    }
-};
+using cudawait::testing::fake_stream;
+using cudawait::testing::host_pool;
 
 void fill(void* p, std::size_t n, std::uint8_t v) { std::memset(p, v, n); }
 bool all_equal(const void* p, std::size_t n, std::uint8_t v) {
@@ -344,6 +237,7 @@ TEST(pinned_pool, waste_stays_bounded_on_a_mixed_workload) {
         }
     }
     auto s = pool.stats();
+    EXPECT_EQ(s.peak_requested_bytes, peak);
     double waste = static_cast<double>(s.peak_reserved_bytes) / static_cast<double>(peak);
     RecordProperty("waste_ratio", std::to_string(waste));
     EXPECT_LE(waste, 1.15) << "reserved " << s.peak_reserved_bytes << " for a peak of " << peak;

@@ -23,8 +23,10 @@
 //     each chunk, which runs on the scheduler's thread with the helpers.
 
 #include <cudawait/detail/parallel_memcpy.hpp>
+#include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
+#include <cudawait/mapped_buffer.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/scheduler.hpp>
@@ -251,6 +253,21 @@ inline pinned_pool& staging_pool(const copy_options& opt) {
     return opt.pool != nullptr ? *opt.pool : default_pinned_pool();
 }
 
+// Where a range's memory lives, known from its type where possible (saving a driver query on
+// every copy of the library's own buffers).
+template <class R>
+memory_kind kind_of(const R&, const void* p) {
+    using plain = std::remove_cvref_t<R>;
+    using T = std::ranges::range_value_t<plain>;
+    if constexpr (std::is_same_v<plain, pinned_buffer<T>> || std::is_same_v<plain, mapped_buffer<T>>) {
+        return memory_kind::pinned;
+    } else if constexpr (std::is_same_v<plain, device_buffer<T>>) {
+        return memory_kind::device;
+    } else {
+        return classify(p);
+    }
+}
+
 template <class Dst, class Src>
 copy_plan make_plan(const Dst& dst, const Src& src, const copy_options& opt) {
     using T = std::ranges::range_value_t<Src>;
@@ -273,7 +290,7 @@ copy_plan make_plan(const Dst& dst, const Src& src, const copy_options& opt) {
     if ((d < s + bytes) && (s < d + bytes)) {
         throw usage_error("copy: destination and source overlap");
     }
-    copy_plan plan{d, s, bytes, classify(d), classify(s)};
+    copy_plan plan{d, s, bytes, kind_of(dst, d), kind_of(src, s)};
     pinned_pool& pool = staging_pool(opt);
     if (plan.dst_kind == memory_kind::pinned) {
         plan.dst_pool = owning_pool(dst, d, pool);
@@ -313,36 +330,58 @@ inline task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
 
 } // namespace detail
 
-/// Enqueues a copy of `src` into `dst` on `s`. See the header's synopsis for pageable memory.
+namespace detail {
+
+template <class Dst, class Src>
+concept copyable_pair =
+    copy_range<Dst> && copy_range<Src> &&
+    std::is_same_v<std::ranges::range_value_t<Dst>, std::ranges::range_value_t<Src>> &&
+    (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<Dst>>>);
+
+struct copy_async_fn {
+    template <class Dst, class Src>
+        requires copyable_pair<Dst, Src>
+    void operator()(Dst&& dst, Src&& src, stream_ref s, const copy_options& opt = {}) const {
+        copy_plan plan = make_plan(dst, src, opt);
+        if (!plan.staged()) {
+            enqueue_direct(plan, s);
+            return;
+        }
+        staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt),
+                       opt);
+        while (cudaEvent_t ev = sc.advance()) {
+            check(cudaEventSynchronize(ev), "cudaEventSynchronize");
+        }
+    }
+};
+
+struct copy_fn {
+    template <class Dst, class Src>
+        requires copyable_pair<Dst, Src>
+    [[nodiscard]] task<void> operator()(Dst&& dst, Src&& src, stream_ref s,
+                                        const copy_options& opt = {}) const {
+        return copy_task(make_plan(dst, src, opt), s, opt);
+    }
+};
+
+} // namespace detail
+
+// Both are function objects, so an unqualified call never also finds std::copy through
+// argument-dependent lookup (a std::vector argument would make `copy(a, b, s)` ambiguous).
+
+/// `copy_async(dst, src, s, options = {})` enqueues a copy of `src` into `dst` on `s`. See the
+/// header's synopsis for pageable memory.
 /// @throws usage_error for sizes that differ, zero elements, null data or overlapping ranges;
 ///         cuda_error
-template <detail::copy_range Dst, detail::copy_range Src>
-    requires std::is_same_v<std::ranges::range_value_t<Dst>, std::ranges::range_value_t<Src>> &&
-             (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<Dst>>>)
-void copy_async(Dst&& dst, Src&& src, stream_ref s, const copy_options& opt = {}) {
-    detail::copy_plan plan = detail::make_plan(dst, src, opt);
-    if (!plan.staged()) {
-        detail::enqueue_direct(plan, s);
-        return;
-    }
-    detail::staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s,
-                           detail::staging_pool(opt), opt);
-    while (cudaEvent_t ev = sc.advance()) {
-        check(cudaEventSynchronize(ev), "cudaEventSynchronize");
-    }
-}
+inline constexpr detail::copy_async_fn copy_async{};
 
-/// Copies `src` into `dst` in `s`'s order; awaiting the task enqueues the copy and resumes once
-/// the bytes are in place. The ranges are checked at the call, so bad arguments throw before
-/// anything is awaited; the ranges' memory must stay valid until the await completes.
+/// `co_await copy(dst, src, s, options = {})` copies `src` into `dst` in `s`'s order; awaiting
+/// the task enqueues the copy and resumes once the bytes are in place. The ranges are checked at
+/// the call, so bad arguments throw before anything is awaited; their memory must stay valid
+/// until the await completes.
 /// @throws usage_error (at the call) for sizes that differ, zero elements, null data or
 ///         overlapping ranges; cuda_error (at the call for an unusable pointer, else from the
 ///         await)
-template <detail::copy_range Dst, detail::copy_range Src>
-    requires std::is_same_v<std::ranges::range_value_t<Dst>, std::ranges::range_value_t<Src>> &&
-             (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<Dst>>>)
-[[nodiscard]] task<void> copy(Dst&& dst, Src&& src, stream_ref s, const copy_options& opt = {}) {
-    return detail::copy_task(detail::make_plan(dst, src, opt), s, opt);
-}
+inline constexpr detail::copy_fn copy{};
 
 } // namespace cudawait

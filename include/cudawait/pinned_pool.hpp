@@ -304,6 +304,7 @@ struct pinned_pool_stats {
     std::size_t requested_bytes = 0;  ///< sizes callers asked for, of blocks handed out
     std::size_t reserved_bytes = 0;   ///< page-locked bytes held from the upstream
     std::size_t peak_in_use_bytes = 0;
+    std::size_t peak_requested_bytes = 0; ///< with peak_reserved_bytes: the pool's waste
     std::size_t peak_reserved_bytes = 0;
     std::size_t pending_bytes = 0;    ///< freed, waiting for the GPU to finish with them
     std::size_t blocks_in_use = 0;
@@ -597,6 +598,7 @@ public:
         s.requested_bytes = m_requested;
         s.reserved_bytes = m_reserved;
         s.peak_in_use_bytes = m_peak_in_use;
+        s.peak_requested_bytes = m_peak_requested;
         s.peak_reserved_bytes = m_peak_reserved;
         s.pending_bytes = m_pending_bytes;
         s.blocks_in_use = m_used.size();
@@ -653,6 +655,7 @@ private:
         m_in_use += b->size;
         m_requested += requested;
         m_peak_in_use = std::max(m_peak_in_use, m_in_use);
+        m_peak_requested = std::max(m_peak_requested, m_requested);
         return b->ptr;
     }
 
@@ -798,6 +801,7 @@ private:
     std::size_t m_reserved = 0;
     std::size_t m_growing = 0;
     std::size_t m_peak_in_use = 0;
+    std::size_t m_peak_requested = 0;
     std::size_t m_peak_reserved = 0;
     std::size_t m_pending_bytes = 0;
     std::uint64_t m_hits = 0;

@@ -1,0 +1,261 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <cudawait/copy.hpp>
+#include <cudawait/device_buffer.hpp>
+#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/scheduler.hpp>
+#include <cudawait/sync_wait.hpp>
+#include <cudawait/when_all.hpp>
+
+#include "gpu_fixture.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace cudawait::literals;
+using cudawait::copy;
+using cudawait::copy_async;
+using cudawait::copy_options;
+using cudawait::device_buffer;
+using cudawait::memory_kind;
+using cudawait::pinned_buffer;
+using cudawait::usage_error;
+
+std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint64_t seed) {
+    std::vector<std::uint8_t> v(n);
+    std::mt19937_64 rng(seed);
+    for (auto& b : v) {
+        b = static_cast<std::uint8_t>(rng());
+    }
+    return v;
+}
+
+// ---- argument checks: no CUDA call is made before they pass -----------------------------------
+
+TEST(copy, mismatched_sizes_zero_sizes_null_and_overlap_are_usage_errors) {
+    std::vector<int> a(10);
+    std::vector<int> b(11);
+    const auto s = cudawait::stream_ref(cudaStreamPerThread);
+    try {
+        copy_async(a, b, s);
+        ADD_FAILURE() << "no exception";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("10"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("11"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW((void)copy(a, b, s), usage_error) << "thrown at the call, before any await";
+    std::vector<int> empty;
+    EXPECT_THROW(copy_async(empty, std::vector<int>{}, s), usage_error);
+    EXPECT_THROW(copy_async(std::span<int>(static_cast<int*>(nullptr), 4), std::span<const int>(a.data(), 4), s), usage_error);
+    EXPECT_THROW(copy_async(std::span<int>(a.data() + 2, 5), std::span<const int>(a.data(), 5), s), usage_error);
+    pinned_buffer<int> moved_from;
+    EXPECT_THROW(copy_async(moved_from, a, s), usage_error);
+}
+
+TEST(copy, without_a_device_is_a_cuda_error) {
+    auto child = [] {
+        std::vector<int> a(10, 1);
+        std::vector<int> b(10, 2);
+        try {
+            copy_async(a, b, cudawait::stream_ref(cudaStreamPerThread));
+            std::fprintf(stderr, "no exception\n");
+            std::exit(1);
+        } catch (const cudawait::cuda_error& e) {
+            std::fprintf(stderr, "copy failed cleanly: %s\n", e.what());
+            std::exit(b == std::vector<int>(10, 2) ? 0 : 1);
+        }
+    };
+    CUDAWAIT_EXPECT_IN_CHILD_WITHOUT_DEVICE(child(), "copy failed cleanly");
+}
+
+// ---- with a GPU -------------------------------------------------------------------------------
+
+class copy_gpu : public cudawait::testing::gpu_test {
+protected:
+    void TearDown() override {
+        if (!IsSkipped()) {
+            auto st = cudawait::default_pinned_pool().stats();
+            EXPECT_EQ(st.in_use_bytes, 0u) << "staging chunks not given back";
+        }
+        cudawait::testing::gpu_test::TearDown();
+    }
+};
+
+TEST_F(copy_gpu, classify_tells_the_four_kinds_apart) {
+    cudawait::stream s;
+    std::vector<int> pageable(16);
+    pinned_buffer<int> pinned(16);
+    device_buffer<int> dev(16, s);
+    int* managed = nullptr;
+    ASSERT_EQ(cudaMallocManaged(&managed, 64), cudaSuccess);
+    EXPECT_EQ(cudawait::classify(pageable.data()), memory_kind::pageable);
+    EXPECT_EQ(cudawait::classify(pinned.data()), memory_kind::pinned);
+    EXPECT_EQ(cudawait::classify(dev.data()), memory_kind::device);
+    EXPECT_EQ(cudawait::classify(managed), memory_kind::managed);
+    ASSERT_EQ(cudaFree(managed), cudaSuccess);
+    s.sync();
+}
+
+TEST_F(copy_gpu, pinned_and_device_round_trip_with_copy_async) {
+    cudawait::stream s;
+    const std::size_t n = 3_MiB + 17;
+    auto want = random_bytes(n, 1);
+    pinned_buffer<std::uint8_t> in(n);
+    pinned_buffer<std::uint8_t> out(n);
+    std::memcpy(in.data(), want.data(), n);
+    std::memset(out.data(), 0xcd, n);
+    device_buffer<std::uint8_t> dev(n, s);
+    device_buffer<std::uint8_t> dev2(n, s);
+    copy_async(dev, in, s);
+    copy_async(dev2, dev, s); // device to device
+    copy_async(out, dev2, s);
+    s.sync();
+    ASSERT_EQ(std::memcmp(out.data(), want.data(), n), 0);
+}
+
+TEST_F(copy_gpu, pool_memory_is_marked_in_use_by_the_stream) {
+    cudawait::stream s;
+    cudawait::pinned_pool pool;
+    const std::size_t n = 1_MiB;
+    device_buffer<std::uint8_t> dev(n, s);
+    pinned_buffer<std::uint8_t> src(n, pool);
+    auto want = random_bytes(n, 2);
+    std::memcpy(src.data(), want.data(), n);
+    // The stream is busy for 100 ms, so the copy has not started when the buffer is freed.
+    ASSERT_EQ(cudawait::testing::launch_spin(100'000'000, nullptr, 0, s.get()), cudaSuccess);
+    copy_async(dev, src, s, copy_options{&pool});
+    src.reset();
+    EXPECT_EQ(pool.stats().pending_bytes, n) << "freed while the copy engine will still read it";
+    // A raw span into the pool gets the same treatment.
+    void* raw = pool.allocate(n);
+    std::memset(raw, 0x5a, n);
+    copy_async(dev, std::span<const std::uint8_t>(static_cast<std::uint8_t*>(raw), n), s,
+               copy_options{&pool});
+    pool.deallocate(raw);
+    EXPECT_EQ(pool.stats().pending_bytes, 2 * n);
+    s.sync();
+    EXPECT_EQ(pool.collect(), 2 * n);
+    std::vector<std::uint8_t> back(n);
+    copy_async(back, dev, s, copy_options{&pool});
+    EXPECT_EQ(back, std::vector<std::uint8_t>(n, 0x5a));
+}
+
+struct staged_case {
+    std::size_t bytes;
+    std::size_t offset; ///< into the host vector: unaligned host pointers
+    std::size_t chunk;
+    unsigned depth;
+};
+
+void PrintTo(const staged_case& c, std::ostream* os) {
+    *os << c.bytes << " bytes at offset " << c.offset << ", chunks of " << c.chunk << " x"
+        << c.depth;
+}
+
+class copy_staged : public copy_gpu, public ::testing::WithParamInterface<staged_case> {};
+
+// Pageable <-> device at odd sizes and offsets, through several chunks, both entry points.
+TEST_P(copy_staged, pageable_round_trip_is_exact) {
+    staged_case c = GetParam();
+    cudawait::stream s;
+    copy_options opt;
+    opt.chunk_bytes = c.chunk;
+    opt.depth = c.depth;
+    auto host = random_bytes(c.bytes + c.offset, c.bytes * 31 + c.offset);
+    std::span<const std::uint8_t> src(host.data() + c.offset, c.bytes);
+    std::vector<std::uint8_t> back_storage(c.bytes + 2 * c.offset + 8, 0xee);
+    std::span<std::uint8_t> back(back_storage.data() + c.offset + 1, c.bytes);
+    device_buffer<std::uint8_t> dev(c.bytes, s);
+    ASSERT_EQ(cudaMemsetAsync(dev.data(), 0x77, c.bytes, s.get()), cudaSuccess);
+
+    copy_async(dev, src, s, opt);                     // blocking staging
+    copy_async(back, dev, s, opt);
+    ASSERT_TRUE(std::equal(back.begin(), back.end(), src.begin())) << "copy_async";
+    EXPECT_EQ(back_storage[c.offset], 0xee) << "wrote before the destination";
+    EXPECT_EQ(back_storage[c.offset + 1 + c.bytes], 0xee) << "wrote past the destination";
+
+    std::fill(back.begin(), back.end(), std::uint8_t{0xee});
+    ASSERT_EQ(cudaMemsetAsync(dev.data(), 0x11, c.bytes, s.get()), cudaSuccess);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, copy(dev, src, s, opt)); // awaited staging
+    cudawait::sync_wait(sched, copy(back, dev, s, opt));
+    ASSERT_TRUE(std::equal(back.begin(), back.end(), src.begin())) << "co_await copy";
+    EXPECT_EQ(back_storage[c.offset + 1 + c.bytes], 0xee);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    sizes, copy_staged,
+    ::testing::Values(staged_case{1, 0, 64_KiB, 2}, staged_case{255, 3, 64_KiB, 2},
+                      staged_case{4097, 1, 4096, 2}, staged_case{1_MiB + 3, 7, 64_KiB, 3},
+                      staged_case{5_MiB + 7, 5, 1_MiB, 2}, staged_case{5_MiB + 7, 0, 1_MiB, 4},
+                      staged_case{40_MiB + 13, 1, 8_MiB, 3}),
+    [](const ::testing::TestParamInfo<staged_case>& info) {
+        const staged_case& c = info.param;
+        return "bytes" + std::to_string(c.bytes) + "_offset" + std::to_string(c.offset) +
+               "_chunk" + std::to_string(c.chunk) + "_depth" + std::to_string(c.depth);
+    });
+
+TEST_F(copy_gpu, staged_copies_follow_the_streams_earlier_work) {
+    cudawait::stream s;
+    const std::size_t n = (6_MiB + 40) / 4;
+    std::vector<std::uint32_t> host(n);
+    std::mt19937 rng(9);
+    for (auto& x : host) {
+        x = static_cast<std::uint32_t>(rng());
+    }
+    device_buffer<std::uint32_t> dev(n, s);
+    std::vector<std::uint32_t> back(n, 0xdeadbeef);
+    copy_options opt;
+    opt.chunk_bytes = 1_MiB;
+    cudawait::scheduler sched;
+    auto work = [&]() -> cudawait::task<void> {
+        co_await copy(dev, host, s, opt);
+        // A slow kernel, then the copy back: the copy must wait for it.
+        if (cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()) != cudaSuccess ||
+            cudawait::testing::launch_mix(dev.data(), n, 77, s.get()) != cudaSuccess) {
+            throw std::runtime_error("launch failed");
+        }
+        co_await copy(back, dev, s, opt);
+    };
+    cudawait::sync_wait(sched, work());
+    cudawait::testing::mix_on_host(host.data(), n, 77);
+    EXPECT_EQ(back, host);
+}
+
+TEST_F(copy_gpu, concurrent_awaited_copies_on_several_streams) {
+    cudawait::stream s1;
+    cudawait::stream s2;
+    const std::size_t n = 9_MiB + 5;
+    auto a = random_bytes(n, 10);
+    auto b = random_bytes(n, 11);
+    device_buffer<std::uint8_t> da(n, s1);
+    device_buffer<std::uint8_t> db(n, s2);
+    std::vector<std::uint8_t> ra(n, 0);
+    std::vector<std::uint8_t> rb(n, 0);
+    copy_options opt;
+    opt.chunk_bytes = 2_MiB;
+    cudawait::scheduler sched;
+    auto trip = [&](std::vector<std::uint8_t>& src, device_buffer<std::uint8_t>& d,
+                    std::vector<std::uint8_t>& dst, cudawait::stream_ref s) -> cudawait::task<void> {
+        co_await copy(d, src, s, opt);
+        co_await copy(dst, d, s, opt);
+    };
+    cudawait::sync_wait(sched, cudawait::when_all(trip(a, da, ra, s1), trip(b, db, rb, s2)));
+    EXPECT_EQ(ra, a);
+    EXPECT_EQ(rb, b);
+}
+
+} // namespace
