@@ -355,7 +355,7 @@ paired_seconds measure_growth() {
 
 void BM_pool_reserve_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const paired_seconds& runs = measured_once("growth", measure_growth);
+        const paired_seconds runs = measured_once("growth", measure_growth);
         replay(state, runs.library);
         const double ms = median(runs.library) * 1e3;
         state.counters["ms"] = ms;
@@ -368,7 +368,7 @@ void BM_pool_reserve_1GiB(benchmark::State& state) {
 
 void BM_cudaHostAlloc_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const paired_seconds& runs = measured_once("growth", measure_growth);
+        const paired_seconds runs = measured_once("growth", measure_growth);
         replay(state, runs.raw);
         const double ms = median(runs.raw) * 1e3;
         state.counters["ms"] = ms;
@@ -438,7 +438,7 @@ paired_seconds measure_pinned_copy(std::size_t bytes, std::int64_t rounds, direc
 void BM_pinned_copy(benchmark::State& state, bool library, std::size_t bytes, std::int64_t rounds,
                     direction d) {
     guarded(state, [&] {
-        const paired_seconds& runs = measured_once(copy_key("pinned", bytes, d), [&] {
+        const paired_seconds runs = measured_once(copy_key("pinned", bytes, d), [&] {
             return measure_pinned_copy(bytes, rounds, d);
         });
         const std::vector<double>& mine = library ? runs.library : runs.raw;
@@ -541,7 +541,7 @@ paired_seconds measure_pageable_copy(std::size_t bytes, std::int64_t rounds, dir
 void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes,
                       std::int64_t rounds, direction d) {
     guarded(state, [&] {
-        const paired_seconds& runs = measured_once(copy_key("pageable", bytes, d), [&] {
+        const paired_seconds runs = measured_once(copy_key("pageable", bytes, d), [&] {
             return measure_pageable_copy(bytes, rounds, d);
         });
         const std::vector<double>& mine = library ? runs.library : runs.raw;
