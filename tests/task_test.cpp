@@ -120,7 +120,8 @@ TEST(task, children_inherit_the_scheduler) {
     auto parent = [&]() -> task<bool> {
         scheduler* mine = &(co_await cudawait::this_scheduler());
         scheduler* theirs = co_await child();
-        co_return mine == &s && theirs == &s;
+        scheduler* as_pointer = co_await cudawait::this_scheduler_ptr();
+        co_return mine == &s && theirs == &s && as_pointer == &s;
     };
     EXPECT_TRUE(sync_wait(s, parent()));
 }

@@ -39,6 +39,29 @@ __global__ void delayed_copy_kernel(std::uint64_t ns, std::uint32_t* dst, const 
     }
 }
 
+__global__ void transform_kernel(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                                 std::uint32_t salt, std::uint64_t spin_ns) {
+    if (spin_ns != 0) {
+        const std::uint64_t start = global_ns();
+        while (global_ns() - start < spin_ns) {
+        }
+        __syncthreads();
+    }
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        out[i] = in[i] * 3u + (salt ^ static_cast<std::uint32_t>(i));
+    }
+}
+
+__global__ void sum_kernel(const std::uint32_t* in, std::size_t n, std::uint32_t* out) {
+    std::uint32_t acc = 0;
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        acc += in[i];
+    }
+    atomicAdd(out, acc);
+}
+
 __global__ void wait_flag_kernel(const volatile std::uint32_t* flag, std::uint64_t timeout_ns) {
     const std::uint64_t start = global_ns();
     while (*flag == 0 && global_ns() - start < timeout_ns) {
@@ -65,6 +88,27 @@ cudaError_t launch_spin(std::uint64_t ns, std::uint32_t* out, std::uint32_t valu
 cudaError_t launch_delayed_copy(std::uint64_t ns, std::uint32_t* dst, const std::uint32_t* src,
                                 std::size_t n, cudaStream_t s) {
     delayed_copy_kernel<<<32, 256, 0, s>>>(ns, dst, src, n);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_transform(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                             std::uint32_t salt, std::uint64_t spin_ns, cudaStream_t s) {
+    const unsigned blocks = static_cast<unsigned>(n < 256 * 64 ? (n + 255) / 256 : 64);
+    transform_kernel<<<blocks == 0 ? 1 : blocks, 256, 0, s>>>(in, out, n, salt, spin_ns);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_sum(const std::uint32_t* in, std::size_t n, std::uint32_t* out, cudaStream_t s) {
+    cudaError_t st = cudaMemsetAsync(out, 0, sizeof(std::uint32_t), s);
+    if (st != cudaSuccess) {
+        return st;
+    }
+    sum_kernel<<<32, 256, 0, s>>>(in, n, out);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_bad_config(cudaStream_t s) {
+    empty_kernel<<<0, 1, 0, s>>>();
     return cudaGetLastError();
 }
 

@@ -31,6 +31,24 @@ cudaError_t launch_spin(std::uint64_t ns, std::uint32_t* out, std::uint32_t valu
 cudaError_t launch_delayed_copy(std::uint64_t ns, std::uint32_t* dst, const std::uint32_t* src,
                                 std::size_t n, cudaStream_t s);
 
+/// out[i] = in[i] * 3 + (salt ^ i) for i < n, after spinning `spin_ns` nanoseconds (0: none).
+cudaError_t launch_transform(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                             std::uint32_t salt, std::uint64_t spin_ns, cudaStream_t s);
+
+/// The host reference of launch_transform.
+inline void transform_on_host(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                              std::uint32_t salt) {
+    for (std::size_t i = 0; i < n; ++i) {
+        out[i] = in[i] * 3u + (salt ^ static_cast<std::uint32_t>(i));
+    }
+}
+
+/// *out = the sum of in[0..n) modulo 2^32 (zeroes *out first, in stream order).
+cudaError_t launch_sum(const std::uint32_t* in, std::size_t n, std::uint32_t* out, cudaStream_t s);
+
+/// A launch with zero blocks: cudaErrorInvalidConfiguration, which is not sticky.
+cudaError_t launch_bad_config(cudaStream_t s);
+
 /// Spins until *flag (host-mapped memory) becomes non-zero or `timeout_ns` passed.
 cudaError_t launch_wait_flag(const volatile std::uint32_t* flag, std::uint64_t timeout_ns,
                              cudaStream_t s);

@@ -11,10 +11,12 @@
 #include <cudawait/mapped_buffer.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
+#include <cudawait/pipeline.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/scope.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/trace.hpp>
 #include <cudawait/version.hpp>
 #include <cudawait/when_all.hpp>

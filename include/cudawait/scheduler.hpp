@@ -999,7 +999,7 @@ private:
 template <class A>
 task<detail::awaited_t<A>> with_timeout(A work, std::chrono::nanoseconds d) {
     using R = detail::awaited_t<A>;
-    scheduler& s = co_await this_scheduler();
+    scheduler& s = *co_await this_scheduler_ptr();
     if (!s.on_loop_thread()) {
         co_await s.schedule();
     }

@@ -319,6 +319,20 @@ inline this_scheduler_awaiter await_on(promise_base& p, this_scheduler_t, std::s
     return {&p.require_scheduler()};
 }
 
+struct this_scheduler_ptr_t {};
+
+struct this_scheduler_ptr_awaiter {
+    scheduler* m_scheduler;
+    bool await_ready() const noexcept { return true; }
+    void await_suspend(std::coroutine_handle<>) const noexcept {}
+    scheduler* await_resume() const noexcept { return m_scheduler; }
+};
+
+inline this_scheduler_ptr_awaiter await_on(promise_base& p, this_scheduler_ptr_t,
+                                           std::source_location) {
+    return {&p.require_scheduler()};
+}
+
 /// What `co_await a` yields for an awaitable `a` inside a library coroutine.
 template <class A>
 using await_result_t = decltype(std::declval<promise_base&>().await_transform(std::declval<A>()));
@@ -332,5 +346,11 @@ using awaited_t = decltype(get_awaiter(std::declval<await_result_t<A>>()).await_
 /// Inside a library coroutine: `scheduler& s = co_await this_scheduler();`.
 /// @throws usage_error when the coroutine runs without a scheduler
 [[nodiscard]] constexpr detail::this_scheduler_t this_scheduler() noexcept { return {}; }
+
+/// The same as a pointer: `scheduler* s = co_await this_scheduler_ptr();`. In `.cu` files use
+/// this one: nvcc 13.0's front end takes the reference `co_await this_scheduler()` yields for an
+/// rvalue, and rejects binding it to `scheduler&`.
+/// @throws usage_error when the coroutine runs without a scheduler
+[[nodiscard]] constexpr detail::this_scheduler_ptr_t this_scheduler_ptr() noexcept { return {}; }
 
 } // namespace cudawait

@@ -1,0 +1,637 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <cudawait/pipeline.hpp>
+#include <cudawait/scheduler.hpp>
+#include <cudawait/sync_wait.hpp>
+#include <cudawait/when_all.hpp>
+
+#include "gpu_fixture.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace std::chrono_literals;
+using namespace cudawait::literals;
+using cudawait::pinned_buffer;
+using cudawait::pipeline;
+using cudawait::pipeline_error;
+using cudawait::pipeline_options;
+using cudawait::usage_error;
+using u32 = std::uint32_t;
+using pipe_t = pipeline<u32>;
+
+constexpr u32 salt = 0x5eed;
+
+std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
+    std::vector<u32> v(n);
+    std::mt19937_64 rng(seed);
+    for (auto& x : v) {
+        x = static_cast<u32>(rng());
+    }
+    return v;
+}
+
+/// The host result of the transform stage, chunk by chunk (the index restarts in each chunk).
+std::vector<u32> expected(const std::vector<u32>& in, std::size_t chunk) {
+    std::vector<u32> out(in.size());
+    for (std::size_t off = 0; off < in.size(); off += chunk) {
+        std::size_t n = std::min(chunk, in.size() - off);
+        cudawait::testing::transform_on_host(in.data() + off, out.data() + off, n, salt);
+    }
+    return out;
+}
+
+/// A stage that launches the transform, optionally slowly.
+pipe_t::stage transform_stage(std::uint64_t spin_ns = 0) {
+    return [spin_ns](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
+        cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(), salt,
+                                                            spin_ns, s.get()),
+                        "launch_transform");
+    };
+}
+
+/// The fallback: the same transform on the host.
+void host_fallback(std::size_t, std::span<const u32> in, std::span<u32> out) {
+    cudawait::testing::transform_on_host(in.data(), out.data(), in.size(), salt);
+}
+
+std::size_t first_mismatch(const std::vector<u32>& got, const std::vector<u32>& want) {
+    for (std::size_t i = 0; i < want.size(); ++i) {
+        if (got[i] != want[i]) {
+            return i;
+        }
+    }
+    return want.size();
+}
+
+template <class R>
+void copy_into(R& dst, const std::vector<u32>& src) {
+    std::copy(src.begin(), src.end(), dst.begin());
+}
+
+// ---- without a GPU: argument checks come before any CUDA call ---------------------------------
+
+TEST(pipeline, bad_options_are_usage_errors) {
+    pipeline_options o;
+    EXPECT_THROW(pipe_t(o, {transform_stage()}), usage_error) << "no chunk size";
+    o.chunk_elements = 1024;
+    o.depth = 0;
+    EXPECT_THROW(pipe_t(o, {transform_stage()}), usage_error);
+    o.depth = 2;
+    EXPECT_THROW(pipe_t(o, {}), usage_error) << "no stages";
+    EXPECT_THROW(pipe_t(o, {pipe_t::stage{}}), usage_error) << "an empty stage";
+}
+
+TEST(pipeline, without_a_device_construction_is_a_cuda_error) {
+    auto child = [] {
+        pipeline_options o;
+        o.chunk_elements = 1024;
+        try {
+            pipe_t p(o, {transform_stage()});
+            std::fprintf(stderr, "no exception\n");
+            std::exit(1);
+        } catch (const cudawait::cuda_error& e) {
+            std::fprintf(stderr, "pipeline failed cleanly: %s\n", e.what());
+            std::exit(0);
+        }
+    };
+    CUDAWAIT_EXPECT_IN_CHILD_WITHOUT_DEVICE(child(), "pipeline failed cleanly");
+}
+
+// ---- with a GPU -------------------------------------------------------------------------------
+
+class pipeline_gpu : public cudawait::testing::gpu_test {
+protected:
+    void TearDown() override {
+        if (!IsSkipped()) {
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            cudawait::default_pinned_pool().collect();
+        }
+        cudawait::testing::gpu_test::TearDown();
+    }
+};
+
+struct batch_case {
+    unsigned depth;
+    unsigned compute_streams;
+    bool pinned;
+    bool graph;
+    std::uint64_t spin_ns;
+};
+
+void PrintTo(const batch_case& c, std::ostream* os) {
+    *os << "depth " << c.depth << ", " << c.compute_streams << " compute stream(s), "
+        << (c.pinned ? "pinned" : "pageable") << (c.graph ? ", graph" : "") << ", spin "
+        << c.spin_ns;
+}
+
+class pipeline_batch : public pipeline_gpu, public ::testing::WithParamInterface<batch_case> {};
+
+// Random data through every configuration, a short last chunk included; every element checked.
+TEST_P(pipeline_batch, every_element_is_right) {
+    const batch_case c = GetParam();
+    const std::size_t chunk = 64_KiB + 3;
+    const std::size_t n = chunk * 9 + 1234;
+    auto in = random_words(n, c.depth * 100 + c.compute_streams);
+    auto want = expected(in, chunk);
+    pipeline_options o;
+    o.depth = c.depth;
+    o.chunk_elements = chunk;
+    o.compute_streams = c.compute_streams;
+    o.graph = c.graph;
+    pipe_t pipe(o, {transform_stage(c.spin_ns)});
+    cudawait::scheduler sched;
+    if (c.pinned) {
+        pinned_buffer<u32> pin(n);
+        pinned_buffer<u32> pout(n);
+        copy_into(pin, in);
+        std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, pipe.run(pin.span(), pout.span()));
+        std::vector<u32> got(pout.begin(), pout.end());
+        ASSERT_EQ(first_mismatch(got, want), n);
+        // A second run through the same pipeline (slots reused, graphs replayed).
+        std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, pipe.run(pin.span(), pout.span()));
+        got.assign(pout.begin(), pout.end());
+        ASSERT_EQ(first_mismatch(got, want), n);
+    } else {
+        std::vector<u32> out(n, 0xdeadbeefu);
+        cudawait::sync_wait(sched, pipe.run(in, out));
+        ASSERT_EQ(first_mismatch(out, want), n);
+    }
+    auto st = pipe.stats();
+    EXPECT_EQ(st.chunks, 10u);
+    EXPECT_EQ(st.gpu_chunks, 10u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    configurations, pipeline_batch,
+    ::testing::Values(batch_case{1, 1, true, false, 0}, batch_case{2, 1, true, false, 0},
+                      batch_case{3, 2, true, false, 0}, batch_case{2, 1, false, false, 0},
+                      batch_case{3, 2, false, false, 2'000'000}, batch_case{2, 1, true, true, 0},
+                      batch_case{3, 1, false, true, 0}, batch_case{4, 3, true, false, 1'000'000}),
+    [](const ::testing::TestParamInfo<batch_case>& info) {
+        const batch_case& c = info.param;
+        return "depth" + std::to_string(c.depth) + "_compute" + std::to_string(c.compute_streams) +
+               (c.pinned ? "_pinned" : "_pageable") + (c.graph ? "_graph" : "") +
+               (c.spin_ns != 0 ? "_slow" : "");
+    });
+
+TEST_F(pipeline_gpu, graph_mode_gives_the_same_bytes_as_plain_mode) {
+    const std::size_t chunk = 100'000;
+    const std::size_t n = chunk * 6 + 77;
+    auto in = random_words(n, 42);
+    std::vector<u32> plain(n, 1);
+    std::vector<u32> graphed(n, 2);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    cudawait::scheduler sched;
+    {
+        pipe_t p(o, {transform_stage()});
+        cudawait::sync_wait(sched, p.run(in, plain));
+    }
+    o.graph = true;
+    {
+        pipe_t p(o, {transform_stage()});
+        cudawait::sync_wait(sched, p.run(in, graphed));
+    }
+    EXPECT_EQ(plain, graphed);
+    EXPECT_EQ(first_mismatch(graphed, expected(in, chunk)), n);
+}
+
+TEST_F(pipeline_gpu, several_stages_run_in_order_on_the_chunk) {
+    const std::size_t chunk = 50'000;
+    const std::size_t n = chunk * 4 + 9;
+    auto in = random_words(n, 7);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    pipe_t p(o, {transform_stage(),
+                 [](std::span<u32>, std::span<u32> out, cudawait::stream_ref s) {
+                     cudawait::check(cudawait::testing::launch_mix(out.data(), out.size(), 9, s.get()),
+                                     "launch_mix");
+                 }});
+    std::vector<u32> out(n, 0);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    auto want = expected(in, chunk);
+    for (std::size_t off = 0; off < n; off += chunk) {
+        cudawait::testing::mix_on_host(want.data() + off, std::min(chunk, n - off), 9);
+    }
+    EXPECT_EQ(first_mismatch(out, want), n);
+}
+
+TEST_F(pipeline_gpu, output_size_can_differ_from_input_size) {
+    const std::size_t chunk = 30'000;
+    const std::size_t n = chunk * 5 + 100; // six chunks, one output each
+    auto in = random_words(n, 3);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.output_elements = 1;
+    pipe_t p(o, {[](std::span<u32> in_, std::span<u32> out, cudawait::stream_ref s) {
+        cudawait::check(cudawait::testing::launch_sum(in_.data(), in_.size(), out.data(), s.get()),
+                        "launch_sum");
+    }});
+    EXPECT_EQ(p.output_size(n), 6u);
+    std::vector<u32> out(6, 0);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    for (std::size_t c = 0; c < 6; ++c) {
+        u32 sum = 0;
+        for (std::size_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i) {
+            sum += in[i];
+        }
+        EXPECT_EQ(out[c], sum) << "chunk " << c;
+    }
+    std::vector<u32> wrong(5);
+    EXPECT_THROW((void)p.run(in, wrong), usage_error);
+}
+
+TEST_F(pipeline_gpu, staging_holds_at_most_depth_times_input_plus_output_chunk_bytes) {
+    cudawait::pinned_pool pool;
+    const std::size_t chunk = 1_MiB / 4;
+    const std::size_t n = chunk * 12 + 5;
+    auto in = random_words(n, 11);
+    std::vector<u32> out(n);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.pool = &pool;
+    pipe_t p(o, {transform_stage(500'000)});
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_LE(pool.stats().peak_in_use_bytes, 3 * (chunk * 4 + chunk * 4));
+    EXPECT_GT(pool.stats().peak_in_use_bytes, 0u);
+}
+
+// ---- streaming --------------------------------------------------------------------------------
+
+struct stream_log {
+    std::size_t produced = 0;
+    std::size_t consumed = 0;
+    std::size_t max_outstanding = 0; ///< acquired or submitted, not yet consumed
+    std::size_t bad = 0;
+    std::size_t out_of_order = 0;
+};
+
+cudawait::task<void> producer(pipe_t& p, const std::vector<std::vector<u32>>& chunks,
+                              stream_log& log) {
+    for (const auto& c : chunks) {
+        auto slot = co_await p.acquire();
+        ++log.produced;
+        log.max_outstanding = std::max(log.max_outstanding, log.produced - log.consumed);
+        std::copy(c.begin(), c.end(), slot.data().begin());
+        p.submit(std::move(slot), c.size());
+    }
+    p.close();
+}
+
+cudawait::task<void> consumer(pipe_t& p, const std::vector<std::vector<u32>>& chunks,
+                              stream_log& log) {
+    while (auto r = co_await p.next()) {
+        if (r->chunk() != log.consumed) {
+            ++log.out_of_order;
+        }
+        const auto& in = chunks[r->chunk()];
+        std::vector<u32> want(in.size());
+        cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
+        if (!std::equal(want.begin(), want.end(), r->data().begin(), r->data().end())) {
+            ++log.bad;
+        }
+        ++log.consumed;
+        co_await cudawait::sleep_for(200us); // a slow consumer: the producer must wait
+    }
+}
+
+TEST_F(pipeline_gpu, streaming_delivers_in_order_with_back_pressure) {
+    const std::size_t chunk = 40'000;
+    std::vector<std::vector<u32>> chunks;
+    std::mt19937 sizes(1);
+    for (std::size_t i = 0; i < 40; ++i) {
+        chunks.push_back(random_words(1 + sizes() % chunk, i));
+    }
+    for (bool graph : {false, true}) {
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.graph = graph;
+        pipe_t p(o, {transform_stage(100'000)});
+        stream_log log;
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, cudawait::when_all(producer(p, chunks, log),
+                                                      consumer(p, chunks, log)));
+        EXPECT_EQ(log.consumed, chunks.size()) << "graph " << graph;
+        EXPECT_EQ(log.bad, 0u);
+        EXPECT_EQ(log.out_of_order, 0u);
+        EXPECT_LE(log.max_outstanding, 3u + 1u) << "more chunks in flight than slots";
+    }
+}
+
+// ---- degradation ------------------------------------------------------------------------------
+
+/// A stage that fails to launch (a non-sticky error) on the calls listed in `fail_calls`.
+pipe_t::stage flaky_stage(std::shared_ptr<std::vector<int>> fail_calls, std::shared_ptr<int> calls) {
+    return [fail_calls, calls](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
+        int call = (*calls)++;
+        if (std::find(fail_calls->begin(), fail_calls->end(), call) != fail_calls->end()) {
+            cudawait::check(cudawait::testing::launch_bad_config(s.get()), "launch_bad_config");
+        }
+        cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(), salt,
+                                                            0, s.get()),
+                        "launch_transform");
+    };
+}
+
+TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8;
+    auto in = random_words(n, 5);
+    std::vector<cudawait::chunk_failure> log;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    auto calls = std::make_shared<int>(0);
+    pipe_t p(o, {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{3}), calls)},
+             host_fallback);
+    std::vector<u32> out(n, 0);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 8u);
+    EXPECT_EQ(st.fallback_chunks, 0u);
+    EXPECT_EQ(st.retries, 1u);
+    EXPECT_EQ(st.depth, 2u);
+    ASSERT_EQ(log.size(), 1u);
+    EXPECT_EQ(log[0].level, 1);
+    EXPECT_EQ(log[0].chunk, 3u);
+    EXPECT_EQ(log[0].offset, 3 * chunk);
+    EXPECT_NE(log[0].error.find("cudaErrorInvalidConfiguration"), std::string::npos) << log[0].error;
+}
+
+TEST_F(pipeline_gpu, a_chunk_that_keeps_failing_goes_to_the_fallback_exactly_once) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8 + 10;
+    auto in = random_words(n, 6);
+    // Chunk 5 is the sixth call; its retries are calls 6 and 7; chunks 6.. follow from call 8.
+    auto fails = std::make_shared<std::vector<int>>(std::vector<int>{5, 6, 7});
+    std::vector<std::size_t> fallback_calls;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.max_retries = 2;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
+             [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 host_fallback(c, a, b);
+             });
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_EQ(fallback_calls, std::vector<std::size_t>{5});
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks + st.fallback_chunks, 9u) << "every chunk produced exactly once";
+    EXPECT_EQ(st.fallback_chunks, 1u);
+    EXPECT_EQ(st.depth, 1u);
+}
+
+TEST_F(pipeline_gpu, without_a_fallback_the_error_says_which_chunks_completed) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 6;
+    auto in = random_words(n, 8);
+    auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2, 3, 4});
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.max_retries = 2;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))});
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    try {
+        cudawait::sync_wait(sched, p.run(in, out));
+        ADD_FAILURE() << "no exception";
+    } catch (const pipeline_error& e) {
+        EXPECT_EQ(e.failed(), std::vector<std::size_t>{2});
+        EXPECT_EQ(e.completed(), (std::vector<std::size_t>{0, 1, 3, 4, 5}));
+    }
+    auto want = expected(in, chunk);
+    for (std::size_t c : {0, 1, 3, 4, 5}) {
+        for (std::size_t i = c * chunk; i < (c + 1) * chunk; ++i) {
+            ASSERT_EQ(out[i], want[i]) << "completed chunk " << c;
+        }
+    }
+    for (std::size_t i = 2 * chunk; i < 3 * chunk; ++i) {
+        ASSERT_EQ(out[i], 0xdeadbeefu) << "a failed chunk's output was written";
+    }
+}
+
+TEST_F(pipeline_gpu, a_timeout_lowers_concurrency_and_the_gpu_still_delivers) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 6;
+    auto in = random_words(n, 9);
+    auto calls = std::make_shared<int>(0);
+    std::vector<cudawait::chunk_failure> log;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.chunk_timeout = 60ms;
+    o.max_retries = 10;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    // Chunk 2's kernel takes 300 ms: several timeouts, then it finishes.
+    pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                 std::uint64_t spin = (*calls)++ == 2 ? 300'000'000 : 0;
+                 cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
+                                                                     salt, spin, s.get()),
+                                 "launch_transform");
+             }},
+             host_fallback);
+    std::vector<u32> out(n, 0);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 6u) << "the slow chunk is the GPU's, not the fallback's";
+    EXPECT_EQ(st.fallback_chunks, 0u);
+    EXPECT_GE(st.retries, 2u);
+    EXPECT_EQ(st.depth, 1u);
+    ASSERT_FALSE(log.empty());
+    EXPECT_EQ(log.front().level, 1);
+    EXPECT_EQ(log.front().chunk, 2u);
+}
+
+TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fallback) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 6;
+    auto in = random_words(n, 10);
+    cudawait::mapped_buffer<u32> release_flag(1);
+    auto calls = std::make_shared<int>(0);
+    std::vector<std::size_t> fallback_calls;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.chunk_timeout = 30ms;
+    o.max_retries = 1;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    const u32* flag = release_flag.device_data();
+    pipe_t p(o, {[calls, flag](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                 if ((*calls)++ == 1) { // chunk 1 waits for the host: "hangs"
+                     cudawait::check(cudawait::testing::launch_wait_flag(flag, 20'000'000'000ull,
+                                                                         s.get()),
+                                     "launch_wait_flag");
+                 }
+                 cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
+                                                                     salt, 0, s.get()),
+                                 "launch_transform");
+             }},
+             [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 host_fallback(c, a, b);
+             });
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    std::vector<std::size_t> failed;
+    try {
+        cudawait::sync_wait(sched, p.run(in, out));
+        ADD_FAILURE() << "no exception";
+    } catch (const pipeline_error& e) {
+        failed = e.failed();
+    }
+    // Chunk 1 hung, chunk 2 was queued behind it: both failed; 0 was done; 3.. on the host.
+    EXPECT_EQ(failed, (std::vector<std::size_t>{1, 2}));
+    EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{3, 4, 5}));
+    auto st = p.stats();
+    EXPECT_TRUE(st.gpu_abandoned);
+    EXPECT_EQ(st.gpu_chunks + st.fallback_chunks + st.failed_chunks, 6u);
+    auto want = expected(in, chunk);
+    for (std::size_t c : {0, 3, 4, 5}) {
+        for (std::size_t i = c * chunk; i < (c + 1) * chunk; ++i) {
+            ASSERT_EQ(out[i], want[i]) << "chunk " << c;
+        }
+    }
+    std::atomic_ref<u32>(release_flag[0]).store(1); // let the kernel finish before teardown
+}
+
+// A kernel fault kills the context: every chunk not yet seen complete goes to the fallback.
+[[noreturn]] void sticky_fault_child() {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8;
+    auto in = random_words(n, 12);
+    auto calls = std::make_shared<int>(0);
+    std::vector<int> produced(8, 0);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    int failures = 0;
+    try {
+        pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                     if ((*calls)++ == 4) {
+                         cudawait::check(cudawait::testing::launch_fault(s.get()), "launch_fault");
+                     }
+                     cudawait::check(cudawait::testing::launch_transform(
+                                         a.data(), b.data(), a.size(), salt, 0, s.get()),
+                                     "launch_transform");
+                 }},
+                 [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                     ++produced[c];
+                     host_fallback(c, a, b);
+                 });
+        std::vector<u32> out(n, 0xdeadbeefu);
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, p.run(in, out));
+        auto st = p.stats();
+        if (first_mismatch(out, expected(in, chunk)) != n) {
+            std::fprintf(stderr, "FAILED: wrong output\n");
+            ++failures;
+        }
+        if (!st.gpu_abandoned || st.fallback_chunks == 0 ||
+            st.gpu_chunks + st.fallback_chunks != 8 || st.failed_chunks != 0) {
+            std::fprintf(stderr, "FAILED: counts gpu %zu fallback %zu failed %zu\n",
+                         st.gpu_chunks, st.fallback_chunks, st.failed_chunks);
+            ++failures;
+        }
+        for (int c = 0; c < 8; ++c) {
+            if (produced[static_cast<std::size_t>(c)] > 1) {
+                std::fprintf(stderr, "FAILED: chunk %d fell back twice\n", c);
+                ++failures;
+            }
+        }
+        if (produced[4] != 1) {
+            std::fprintf(stderr, "FAILED: the faulting chunk was not handed to the fallback\n");
+            ++failures;
+        }
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "FAILED: %s\n", e.what());
+        ++failures;
+    }
+    std::fprintf(stderr, failures == 0 ? "sticky fault handled\n" : "sticky fault mishandled\n");
+    std::_Exit(failures == 0 ? 0 : 1);
+}
+
+TEST_F(pipeline_gpu, a_sticky_fault_hands_every_unfinished_chunk_to_the_fallback) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(sticky_fault_child(), ::testing::ExitedWithCode(0), "sticky fault handled");
+}
+
+// ---- monitoring -------------------------------------------------------------------------------
+
+TEST_F(pipeline_gpu, timing_reports_stage_times_bandwidth_and_alerts) {
+    const std::size_t chunk = 4_MiB / 4;
+    const std::size_t n = chunk * 16;
+    pinned_buffer<u32> in(n);
+    pinned_buffer<u32> out(n);
+    copy_into(in, random_words(n, 13));
+    for (double fraction : {0.01, 1.5}) {
+        std::size_t alerts = 0;
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.timing = true;
+        o.alert_window = 4;
+        o.alert_fraction = fraction;
+        o.on_alert = [&](const cudawait::pipeline_alert& a) {
+            ++alerts;
+            EXPECT_GT(a.peak_gbps, 0);
+            EXPECT_EQ(a.window, 4u);
+        };
+        pipe_t p(o, {transform_stage()});
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, p.run(in.span(), out.span()));
+        auto st = p.stats();
+        EXPECT_GT(st.link_peak_gbps, 1.0);
+        EXPECT_GT(st.h2d_gbps, 1.0);
+        EXPECT_GT(st.d2h_gbps, 1.0);
+        EXPECT_LT(st.h2d_gbps, st.link_peak_gbps * 1.2);
+        EXPECT_GT(st.compute_seconds, 0);
+        EXPECT_GT(st.compute_to_transfer, 0);
+        EXPECT_GT(st.overlap_efficiency, 0);
+        EXPECT_LE(st.overlap_efficiency, 1.05);
+        EXPECT_GT(st.throughput_gbps, 0);
+        EXPECT_GT(p.suggest_chunk_size(), 0u);
+        if (fraction < 0.5) {
+            EXPECT_EQ(alerts, 0u);
+        } else {
+            EXPECT_GE(alerts, 4u) << "4 windows of 4 chunks, both directions below 150% of peak";
+        }
+        EXPECT_EQ(st.alerts, alerts);
+    }
+}
+
+} // namespace
