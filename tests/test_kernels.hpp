@@ -46,7 +46,8 @@ inline void transform_on_host(const std::uint32_t* in, std::uint32_t* out, std::
 /// *out = the sum of in[0..n) modulo 2^32 (zeroes *out first, in stream order).
 cudaError_t launch_sum(const std::uint32_t* in, std::size_t n, std::uint32_t* out, cudaStream_t s);
 
-/// A launch with zero blocks: cudaErrorInvalidConfiguration, which is not sticky.
+/// A launch with zero blocks: a launch error (cudaErrorInvalidValue on CUDA 13) that is not
+/// sticky.
 cudaError_t launch_bad_config(cudaStream_t s);
 
 /// Spins until *flag (host-mapped memory) becomes non-zero or `timeout_ns` passed.
