@@ -140,6 +140,7 @@ struct pipeline_stats {
     double h2d_seconds = 0;      ///< sums of the stages' GPU times
     double compute_seconds = 0;
     double d2h_seconds = 0;
+    double graph_seconds = 0;    ///< graph mode: whole replays (stages are not split there)
     double h2d_gbps = 0;         ///< bytes over the H2D stage's own time
     double d2h_gbps = 0;
     double throughput_gbps = 0;  ///< input bytes over wall time
@@ -275,8 +276,19 @@ public:
         }
         m_active_depth = m_options.depth;
         if (m_options.timing) {
+            // One set of stage events per chunk that can be in flight (run-ahead included).
+            for (std::size_t i = 0; i < runahead_factor * m_options.depth; ++i) {
+                std::vector<event> set;
+                for (int k = 0; k < 6; ++k) {
+                    set.emplace_back(device_ref(m_options.device), cudaEventDefault);
+                }
+                m_timing.push_back(std::move(set));
+            }
             m_link_peak = link_peak_gbps(m_options.device);
         }
+        // The slots' device buffers were allocated in the H2D stream's order; every other stream
+        // (the graph streams among them) may use them from now on.
+        m_h2d.sync();
     }
 
     pipeline(const pipeline&) = delete;
@@ -520,27 +532,32 @@ public:
         return s;
     }
 
-    /// A chunk size (input elements) that moves the measured compute:transfer ratio toward
-    /// 1.5-3 (needs `timing` and a run): kernels much shorter than the copies (a ratio below
-    /// 1.5) are better fed larger chunks, which amortise per-chunk costs; kernels much longer
-    /// (above 3) smaller ones, which start the pipeline sooner and overlap more finely. Chunks
-    /// stay large enough for the link (at least ~50 us of transfer each).
+    /// A chunk size (input elements) from the last run's measurements (needs `timing`):
+    /// - a compute:transfer ratio above 3 (kernels dominate): half the chunk, so that the
+    ///   pipeline fills sooner and overlaps more finely;
+    /// - below 1.5 with chunks whose copy takes under 1 ms: twice the chunk, so that fixed
+    ///   per-chunk costs (launches, event waits) weigh less; a copy-bound pipeline with larger
+    ///   chunks than that gains nothing from growing them;
+    /// - otherwise the current size. Never below ~50 us of transfer, never above 256 MiB.
     [[nodiscard]] std::size_t suggest_chunk_size() const {
         pipeline_stats s = stats();
         std::size_t chunk = m_options.chunk_elements;
-        if (s.compute_to_transfer <= 0) {
+        if (s.compute_to_transfer <= 0 || s.chunks == 0) {
             return chunk;
         }
+        double per_chunk_copy = std::max(s.h2d_seconds, s.d2h_seconds) /
+                                static_cast<double>(std::max<std::size_t>(1, s.gpu_chunks));
         std::size_t suggested = chunk;
-        if (s.compute_to_transfer < 1.5) {
-            suggested = chunk * 2;
-        } else if (s.compute_to_transfer > 3.0) {
+        if (s.compute_to_transfer > 3.0) {
             suggested = chunk / 2;
+        } else if (s.compute_to_transfer < 1.5 && per_chunk_copy < 1e-3) {
+            suggested = chunk * 2;
         }
         double peak = m_link_peak > 0 ? m_link_peak : 25.0;
-        auto floor_bytes = static_cast<std::size_t>(peak * 1e9 * 50e-6);
-        std::size_t floor_elems = std::max<std::size_t>(1, floor_bytes / sizeof(In));
-        return std::max(suggested, std::min(floor_elems, chunk));
+        auto floor_elems = std::max<std::size_t>(
+            1, static_cast<std::size_t>(peak * 1e9 * 50e-6) / sizeof(In));
+        std::size_t ceiling = std::max<std::size_t>(1, (std::size_t{256} << 20) / sizeof(In));
+        return std::clamp(suggested, std::min(floor_elems, chunk), std::max(ceiling, chunk));
     }
 
     [[nodiscard]] const pipeline_options& options() const noexcept { return m_options; }
@@ -579,13 +596,7 @@ private:
               h2d_done(device_ref(p.m_options.device)),
               compute_done(device_ref(p.m_options.device)),
               d2h_done(device_ref(p.m_options.device)),
-              graph_stream(device_ref(p.m_options.device), p.m_compute.front().priority()) {
-            if (p.m_options.timing) {
-                for (int i = 0; i < 6; ++i) {
-                    timing.emplace_back(device_ref(p.m_options.device), cudaEventDefault);
-                }
-            }
-        }
+              graph_stream(device_ref(p.m_options.device), p.m_compute.front().priority()) {}
         slot(const slot&) = delete;
         slot& operator=(const slot&) = delete;
         ~slot() {
@@ -613,7 +624,6 @@ private:
         event h2d_done;
         event compute_done;
         event d2h_done;
-        std::vector<event> timing;  // h2d start/end, compute start/end, d2h start/end
         stream graph_stream;
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t graph_exec = nullptr;
@@ -628,6 +638,7 @@ private:
         std::size_t output_count = 0;
         std::size_t slot = 0;
         cudaEvent_t done = nullptr;
+        std::size_t timing_set = 0;
         bool timed = false;
         bool by_fallback = false;
         bool sticky = false;
@@ -660,6 +671,9 @@ private:
         f.count = count;
         f.output_count = output_count(count);
         f.slot = s;
+        if (!m_timing.empty()) {
+            f.timing_set = m_timing_seq++ % m_timing.size();
+        }
         f.done = event_pool::for_device(m_options.device).acquire_raw();
         return f;
     }
@@ -691,10 +705,11 @@ private:
     // Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
     void enqueue(flight& f, const In* src, Out* dst) {
         slot& sl = *m_slots[f.slot];
-        f.timed = m_options.timing && !sl.timing.empty();
+        f.timed = !m_timing.empty();
+        std::vector<event>* t = f.timed ? &m_timing[f.timing_set] : nullptr;
         bool full = f.count == m_options.chunk_elements;
         if (m_options.graph && full) {
-            enqueue_graph(f, sl, src, dst);
+            enqueue_graph(f, sl, src, dst, t);
             return;
         }
         stream_ref cs = m_compute[m_compute_next++ % m_compute.size()];
@@ -702,13 +717,13 @@ private:
             trace_range r("h2d", f.chunk);
             m_h2d.wait(sl.compute_done.get()); // the previous chunk's stages read dev_in
             if (f.timed) {
-                sl.timing[0].record(m_h2d);
+                (*t)[0].record(m_h2d);
             }
             check(cudaMemcpyAsync(sl.dev_in.data(), src, f.count * sizeof(In),
                                   cudaMemcpyHostToDevice, m_h2d.get()),
                   "cudaMemcpyAsync");
             if (f.timed) {
-                sl.timing[1].record(m_h2d);
+                (*t)[1].record(m_h2d);
             }
             sl.h2d_done.record(m_h2d);
         }
@@ -717,7 +732,7 @@ private:
             cs.wait(sl.h2d_done.get());
             cs.wait(sl.d2h_done.get()); // the previous chunk's D2H read dev_out
             if (f.timed) {
-                sl.timing[2].record(cs);
+                (*t)[2].record(cs);
             }
             try {
                 std::span<In> din(sl.dev_in.data(), f.count);
@@ -732,7 +747,7 @@ private:
                 throw;
             }
             if (f.timed) {
-                sl.timing[3].record(cs);
+                (*t)[3].record(cs);
             }
             sl.compute_done.record(cs);
         }
@@ -740,26 +755,26 @@ private:
             trace_range r("d2h", f.chunk);
             m_d2h.wait(sl.compute_done.get());
             if (f.timed) {
-                sl.timing[4].record(m_d2h);
+                (*t)[4].record(m_d2h);
             }
             check(cudaMemcpyAsync(dst, sl.dev_out.data(), f.output_count * sizeof(Out),
                                   cudaMemcpyDeviceToHost, m_d2h.get()),
                   "cudaMemcpyAsync");
             if (f.timed) {
-                sl.timing[5].record(m_d2h);
+                (*t)[5].record(m_d2h);
             }
             sl.d2h_done.record(m_d2h);
             check(cudaEventRecord(f.done, m_d2h.get()), "cudaEventRecord");
         }
     }
 
-    void build_graph(slot& sl) {
-        sl.ensure_host_buffers();
+    // The memcpy nodes are built with the first chunk's host pointers; later chunks set theirs.
+    void build_graph(slot& sl, const In* src, Out* dst) {
         check(cudaGraphCreate(&sl.graph, 0), "cudaGraphCreate");
         std::size_t in_bytes = m_options.chunk_elements * sizeof(In);
         std::size_t out_bytes = m_options.output_elements * sizeof(Out);
         check(cudaGraphAddMemcpyNode1D(&sl.h2d_node, sl.graph, nullptr, 0, sl.dev_in.data(),
-                                       sl.host_in.data(), in_bytes, cudaMemcpyHostToDevice),
+                                       src, in_bytes, cudaMemcpyHostToDevice),
               "cudaGraphAddMemcpyNode1D");
         stream capture(device_ref(m_options.device), 0);
         check(cudaStreamBeginCapture(capture.get(), cudaStreamCaptureModeThreadLocal),
@@ -783,16 +798,16 @@ private:
         cudaError_t st = cudaGraphAddChildGraphNode(&kernels, sl.graph, &sl.h2d_node, 1, stages);
         detail::report(cudaGraphDestroy(stages), "cudaGraphDestroy");
         check(st, "cudaGraphAddChildGraphNode");
-        check(cudaGraphAddMemcpyNode1D(&sl.d2h_node, sl.graph, &kernels, 1, sl.host_out.data(),
+        check(cudaGraphAddMemcpyNode1D(&sl.d2h_node, sl.graph, &kernels, 1, dst,
                                        sl.dev_out.data(), out_bytes, cudaMemcpyDeviceToHost),
               "cudaGraphAddMemcpyNode1D");
         check(cudaGraphInstantiate(&sl.graph_exec, sl.graph, 0), "cudaGraphInstantiate");
     }
 
-    void enqueue_graph(flight& f, slot& sl, const In* src, Out* dst) {
+    void enqueue_graph(flight& f, slot& sl, const In* src, Out* dst, std::vector<event>* t) {
         trace_range r("graph", f.chunk);
         if (sl.graph_exec == nullptr) {
-            build_graph(sl);
+            build_graph(sl, src, dst);
         }
         // The addresses of the host ends change per chunk; the device ones are the slot's.
         check(cudaGraphExecMemcpyNodeSetParams1D(sl.graph_exec, sl.h2d_node, sl.dev_in.data(), src,
@@ -807,11 +822,11 @@ private:
         gs.wait(sl.compute_done.get());
         gs.wait(sl.d2h_done.get());
         if (f.timed) {
-            sl.timing[0].record(gs);
+            (*t)[0].record(gs);
         }
         check(cudaGraphLaunch(sl.graph_exec, gs.get()), "cudaGraphLaunch");
         if (f.timed) {
-            sl.timing[5].record(gs);
+            (*t)[5].record(gs);
         }
         sl.h2d_done.record(gs);
         sl.compute_done.record(gs);
@@ -825,24 +840,23 @@ private:
         if (!f.timed) {
             return;
         }
-        slot& sl = *m_slots[f.slot];
+        std::vector<event>& t = m_timing[f.timing_set];
         auto elapsed = [&](int a, int b) {
             float ms = 0;
-            check(cudaEventElapsedTime(&ms, sl.timing[a].get(), sl.timing[b].get()),
+            check(cudaEventElapsedTime(&ms, t[static_cast<std::size_t>(a)].get(),
+                                       t[static_cast<std::size_t>(b)].get()),
                   "cudaEventElapsedTime");
             return static_cast<double>(ms) * 1e-3;
         };
-        double h2d = 0;
-        double comp = 0;
-        double d2h = 0;
         if (m_options.graph && f.count == m_options.chunk_elements) {
-            // A replayed graph is timed as a whole: its stages are not split.
-            comp = elapsed(0, 5);
-        } else {
-            h2d = elapsed(0, 1);
-            comp = elapsed(2, 3);
-            d2h = elapsed(4, 5);
+            // A replayed graph is timed as a whole; its stages are not split, so stage times and
+            // bandwidths come from plain mode only.
+            m_stats.graph_seconds += elapsed(0, 5);
+            return;
         }
+        double h2d = elapsed(0, 1);
+        double comp = elapsed(2, 3);
+        double d2h = elapsed(4, 5);
         m_stats.h2d_seconds += h2d;
         m_stats.compute_seconds += comp;
         m_stats.d2h_seconds += d2h;
@@ -889,7 +903,9 @@ private:
         std::vector<chunk_state> state;
         std::vector<unsigned> attempts;
         std::deque<flight> inflight;
-        std::vector<bool> busy; // slots with a chunk in flight
+        std::vector<bool> busy; // slots with a chunk in flight (staging)
+        std::size_t next_slot = 0; // round robin (run-ahead)
+        [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
 
     [[nodiscard]] std::span<const In> chunk_in(const batch& b, std::size_t c) const {
@@ -917,18 +933,23 @@ private:
     void start_chunk(batch& b, std::size_t c) {
         std::span<const In> in = chunk_in(b, c);
         std::span<Out> out = chunk_out(b, c);
-        // Any slot without a chunk in flight: its previous chunk retired, so its host buffers
-        // are free (after a depth change the free one need not be below the new depth).
+        // With pinned host ranges the GPU alone orders slot reuse (event waits), so the host runs
+        // ahead round robin. With staging, the slot's host buffers must be free: any slot
+        // without a chunk in flight (after a depth change it need not be below the new depth).
         std::size_t s = 0;
-        while (b.busy[s]) {
-            ++s;
+        if (b.runahead()) {
+            s = b.next_slot++ % m_active_depth;
+        } else {
+            while (b.busy[s]) {
+                ++s;
+            }
         }
         slot& sl = *m_slots[s];
         flight f = make_flight(c, c * m_options.chunk_elements, in.size(), s);
         try {
             const In* src = in.data();
             Out* dst = out.data();
-            if (!b.pinned_in || !b.pinned_out || m_options.graph) {
+            if (!b.runahead()) {
                 sl.ensure_host_buffers();
             }
             if (!b.pinned_in) {
@@ -1004,7 +1025,8 @@ private:
                 run_fallback(b, next++);
                 continue;
             }
-            if (next < n && b.inflight.size() < m_active_depth) {
+            std::size_t limit = b.runahead() ? runahead_factor * m_active_depth : m_active_depth;
+            if (next < n && b.inflight.size() < limit) {
                 std::string error;
                 bool sticky = false;
                 try {
@@ -1110,6 +1132,9 @@ private:
         b.inflight.clear();
     }
 
+    /// Chunks in flight per slot when the host may run ahead (pinned host ranges).
+    static constexpr std::size_t runahead_factor = 4;
+
     pipeline_options m_options;
     std::vector<stage> m_stages;
     fallback m_fallback;
@@ -1124,6 +1149,8 @@ private:
     detail::wait_list m_slot_freed;
     detail::wait_list m_result_ready;
     std::vector<window_entry> m_window;
+    std::vector<std::vector<event>> m_timing; // per chunk in flight: h2d, compute, d2h start/end
+    std::size_t m_timing_seq = 0;
     pipeline_stats m_stats;
     double m_link_peak = 0;
     unsigned m_active_depth = 1;
