@@ -823,7 +823,8 @@ void print_growth_summary() {
 
 template <std::size_t N>
 void print_copy_summary(const char* title, const std::map<std::string, double>& rates,
-                        const copy_case (&cases)[N], double h2d_target, double d2h_target) {
+                        const copy_case (&cases)[N], double h2d_target, double d2h_target,
+                        std::size_t only_at = 0) {
     if (rates.empty()) {
         return;
     }
@@ -842,7 +843,10 @@ void print_copy_summary(const char* title, const std::map<std::string, double>& 
                         static_cast<long long>(c.rounds));
             print_cell(lib, 14, 2);
             print_cell(raw, 14, 2);
-            if (lib && raw && *raw > 0.0) {
+            const bool targeted = only_at == 0 || only_at == c.bytes;
+            if (lib && raw && *raw > 0.0 && !targeted) {
+                std::printf(" %14.3f   (for information)\n", *lib / *raw);
+            } else if (lib && raw && *raw > 0.0) {
                 const double ratio = *lib / *raw;
                 std::printf(" %14.3f   >= %.2f: %s\n", ratio, target, verdict(ratio >= target));
             } else {
@@ -898,7 +902,8 @@ void print_summary() {
                        g_pinned_gbps, kPinnedCases, kPinnedTarget, kPinnedTarget);
     print_copy_summary("Pageable copies, pre-faulted pageable memory <-> device_buffer, staged "
                        "copy_async vs\ncudaMemcpyAsync on the same memory (GB/s = 1e9 bytes/s)",
-                       g_pageable_gbps, kPageableCases, kPageableH2dTarget, kPageableD2hTarget);
+                       g_pageable_gbps, kPageableCases, kPageableH2dTarget, kPageableD2hTarget,
+                       512_MiB); // the targets are stated at 512 MiB
     print_waste_summary();
     if (g_failures != 0) {
         std::printf("\n%d benchmark(s) reported an error; see their rows above\n", g_failures);
