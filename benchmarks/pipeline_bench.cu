@@ -1451,19 +1451,9 @@ int main(int argc, char** argv) {
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
         return 1;
     }
-    if (cudawait::try_device_count() == 0) {
-        // try_device_count() swallows the status; ask again for the reason.
-        int n = 0;
-        const cudaError_t st = cudaGetDeviceCount(&n);
-        const std::string reason =
-            st != cudaSuccess
-                ? std::string(cudaGetErrorName(st)) + ": " + cudaGetErrorString(st)
-                : std::string("cudaGetDeviceCount reported 0 devices");
-        std::fprintf(stderr,
-                     "pipeline_bench: no CUDA device: %s\n"
-                     "pipeline_bench: every benchmark here moves data to and from a GPU; nothing "
-                     "was run\n",
-                     reason.c_str());
+    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
+        std::fprintf(stderr, "pipeline_bench: no CUDA device: %s\npipeline_bench: every benchmark here moves data to and from a GPU; nothing was run\n",
+                     why.c_str());
         return 2;
     }
     try {

@@ -5,6 +5,7 @@
 #include <cudawait/cudawait.hpp>
 
 #include <cstdio>
+#include <string>
 #include <vector>
 
 namespace hello {
@@ -52,11 +53,9 @@ cudawait::task<int> hello_main() {
 } // namespace hello
 
 int main() {
-    if (cudawait::try_device_count() == 0) {
-        int n = 0;
-        cudaError_t st = cudaGetDeviceCount(&n);
+    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
         std::fprintf(stderr, "hello_await: no CUDA device on this machine (%s); it needs a GPU.\n",
-                     cudaGetErrorName(st));
+                     why.c_str());
         return 2;
     }
     try {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -46,8 +47,9 @@ cudawait::task<> run_all(cudawait::scheduler& sched, std::vector<cudawait::strea
 } // namespace
 
 int main() {
-    if (cudawait::try_device_count() == 0) {
-        std::fprintf(stderr, "host_orchestration: no CUDA device on this machine; it needs a GPU.\n");
+    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
+        std::fprintf(stderr, "host_orchestration: no CUDA device on this machine (%s); it needs a GPU.\n",
+                     why.c_str());
         return 2;
     }
     try {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <numeric>
 #include <vector>
 
@@ -63,11 +64,9 @@ cudawait::task<int> run(cudawait::pinned_pool& pool) {
 
 int main() {
     using namespace cudawait::literals;
-    if (cudawait::try_device_count() == 0) {
-        int n = 0;
-        cudaError_t st = cudaGetDeviceCount(&n);
+    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
         std::fprintf(stderr, "pinned_pool: no CUDA device on this machine (%s); it needs a GPU.\n",
-                     cudaGetErrorName(st));
+                     why.c_str());
         return 2;
     }
     try {

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -31,6 +32,7 @@ bool is_no_device_status(cudaError_t st) {
         }
     };
     expect(try_device_count() == 0, "try_device_count() == 0");
+    expect(!cudawait::no_device_reason().empty(), "no_device_reason() says why");
     try {
         (void)device_count();
         expect(false, "device_count() throws");
@@ -56,6 +58,11 @@ bool is_no_device_status(cudaError_t st) {
 
 TEST(device, no_device_gives_a_typed_error_not_a_crash) {
     CUDAWAIT_EXPECT_IN_CHILD_WITHOUT_DEVICE(no_device_child(), "no-device path ok");
+}
+
+TEST(device, no_device_reason_agrees_with_the_device_count) {
+    std::string why = cudawait::no_device_reason();
+    EXPECT_EQ(why.empty(), try_device_count() > 0) << why;
 }
 
 TEST(device, try_device_count_never_throws) {

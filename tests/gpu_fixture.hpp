@@ -15,20 +15,7 @@
 
 namespace cudawait::testing {
 
-/// Why there is no usable device, or an empty string when there is one.
-inline std::string no_device_reason() {
-    int n = 0;
-    cudaError_t st = cudaGetDeviceCount(&n);
-    if (st != cudaSuccess) {
-        (void)cudaGetLastError();
-        return std::string("no usable CUDA device: cudaGetDeviceCount returned ") +
-               cudaGetErrorName(st);
-    }
-    if (n == 0) {
-        return "no CUDA device present";
-    }
-    return {};
-}
+using cudawait::no_device_reason;
 
 /// Events the library owns that are neither cached in a pool nor borrowed: must stay zero.
 inline long unaccounted_events() {

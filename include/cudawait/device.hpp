@@ -11,6 +11,7 @@
 #include <cudawait/error.hpp>
 
 #include <source_location>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -36,6 +37,18 @@ namespace cudawait {
         return 0;
     }
     return n;
+}
+
+/// Why this process cannot use a CUDA device (the status's name and text, or "no CUDA device
+/// present"), or an empty string when it can: for a clear message before giving up.
+[[nodiscard]] inline std::string no_device_reason() {
+    int n = 0;
+    cudaError_t st = cudaGetDeviceCount(&n);
+    if (st != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::string(cudaGetErrorName(st)) + ": " + cudaGetErrorString(st);
+    }
+    return n == 0 ? "no CUDA device present" : "";
 }
 
 /// A non-owning, validated device id.
