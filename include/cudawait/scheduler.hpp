@@ -565,7 +565,6 @@ private:
         bool progress = false;
         for (std::size_t i = 0; i < m_active.size();) {
             detail::stream_fifo* f = m_active[i];
-            bool completed = false;
             while (detail::wait_node* n = f->head) {
                 cudaError_t st = cudaEventQuery(n->event);
                 if (st == cudaErrorNotReady) {
@@ -578,11 +577,9 @@ private:
                 --m_stream_waits;
                 f->spare.push_back(n->event);
                 complete(n, st);
-                completed = true;
-            }
-            if (completed) {
-                // Resume right away: the resumed coroutines usually enqueue their next work on
-                // this stream, and the GPU gets it a sweep earlier.
+                // Resume right away: the resumed coroutine usually enqueues its next work on
+                // this stream, and the GPU gets it before the next query rather than a sweep
+                // later.
                 progress = true;
                 run_ready();
             }
