@@ -27,8 +27,8 @@
 // (measured once per device), overlap efficiency, and alerts on low bandwidth.
 //
 // Degradation: a chunk whose work fails to enqueue (a launch error, say) is retried with one slot
-// fewer (level 1), down to depth 1, then handed to the fallback (level 2). A chunk that does not
-// finish within `chunk_timeout` lowers the depth and is waited for again; after `max_retries`
+// fewer (level 1), down to depth 1, then handed to the fallback (level 2). In a batch, a chunk
+// that does not finish within `chunk_timeout` lowers the depth and is waited for again; after `max_retries`
 // timeouts it is reported failed (its copy may still land, so the fallback does not write it)
 // and the GPU is not used again. After a sticky error the context is gone: every chunk not yet
 // seen complete goes to the fallback. Every chunk is produced once, by the GPU or by the
@@ -115,7 +115,8 @@ struct pipeline_options {
     double alert_fraction = 0.6;
     std::size_t alert_window = 8;
     std::function<void(const pipeline_alert&)> on_alert;
-    /// 0: wait as long as it takes.
+    /// Batch runs: how long to wait for one chunk before degrading; 0: as long as it takes.
+    /// (Streaming consumers wait as long as it takes; wrap next() in with_timeout to bound it.)
     std::chrono::nanoseconds chunk_timeout{0};
     /// Level-1 retries per chunk before level 2.
     unsigned max_retries = 2;
