@@ -28,9 +28,9 @@
 //
 // Degradation: a chunk whose work fails to enqueue (a launch error, say) is retried with one slot
 // fewer (level 1), down to depth 1, then handed to the fallback (level 2). In a batch, a chunk
-// that does not finish within `chunk_timeout` lowers the depth and is waited for again; after `max_retries`
-// timeouts it is reported failed (its copy may still land, so the fallback does not write it)
-// and the GPU is not used again. After a sticky error the context is gone: every chunk not yet
+// that does not finish within `chunk_timeout` lowers the depth and is waited for again; after
+// `max_retries` timeouts it is reported failed (its copy may still land, so the fallback does
+// not write it) and the GPU is not used again. After a sticky error the context is gone: every chunk not yet
 // seen complete goes to the fallback. Every chunk is produced once, by the GPU or by the
 // fallback, or is reported failed; without a fallback, run() throws pipeline_error listing the
 // chunks that completed and the ones that failed.
