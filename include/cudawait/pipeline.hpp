@@ -116,7 +116,7 @@ struct pipeline_options {
     std::size_t alert_window = 8;
     std::function<void(const pipeline_alert&)> on_alert;
     /// Batch runs: how long to wait for one chunk before degrading; 0: as long as it takes.
-    /// (Streaming consumers wait as long as it takes; wrap next() in with_timeout to bound it.)
+    /// Streaming consumers (next()) wait as long as it takes.
     std::chrono::nanoseconds chunk_timeout{0};
     /// Level-1 retries per chunk before level 2.
     unsigned max_retries = 2;
