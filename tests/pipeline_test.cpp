@@ -356,6 +356,70 @@ pipe_t::stage flaky_stage(std::shared_ptr<std::vector<int>> fail_calls, std::sha
     };
 }
 
+cudawait::task<std::vector<std::pair<bool, bool>>> stream_with_failures(
+    pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
+    // Submit everything first (three slots: consume as we go), then collect: for each chunk,
+    // whether its output was right and whether the fallback made it.
+    std::vector<std::pair<bool, bool>> seen;
+    std::size_t submitted = 0;
+    while (seen.size() < chunks.size()) {
+        while (submitted < chunks.size() && submitted - seen.size() < 3) {
+            auto slot = co_await p.acquire();
+            const auto& c = chunks[submitted++];
+            std::copy(c.begin(), c.end(), slot.data().begin());
+            p.submit(std::move(slot), c.size());
+        }
+        try {
+            auto r = co_await p.next();
+            const auto& in = chunks[r->chunk()];
+            std::vector<u32> want(in.size());
+            cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
+            seen.emplace_back(std::equal(want.begin(), want.end(), r->data().begin(),
+                                         r->data().end()),
+                              r->by_fallback());
+        } catch (const pipeline_error& e) {
+            seen.emplace_back(false, false);
+            if (e.failed() != std::vector<std::size_t>{seen.size() - 1}) {
+                throw;
+            }
+        }
+    }
+    p.close();
+    co_return seen;
+}
+
+TEST_F(pipeline_gpu, streaming_hands_a_failed_chunk_to_the_fallback_in_order) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 6; ++i) {
+        chunks.push_back(random_words(chunk - i, 100 + i));
+    }
+    for (bool with_fallback : {true, false}) {
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2});
+        pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
+                 with_fallback ? pipe_t::fallback(host_fallback) : pipe_t::fallback{});
+        cudawait::scheduler sched;
+        auto seen = cudawait::sync_wait(sched, stream_with_failures(p, chunks));
+        ASSERT_EQ(seen.size(), 6u);
+        for (std::size_t i = 0; i < 6; ++i) {
+            if (i == 2) {
+                EXPECT_EQ(seen[i].first, with_fallback) << "chunk 2's output";
+                EXPECT_EQ(seen[i].second, with_fallback) << "chunk 2 came from the fallback";
+            } else {
+                EXPECT_TRUE(seen[i].first) << "chunk " << i;
+                EXPECT_FALSE(seen[i].second) << "chunk " << i;
+            }
+        }
+        auto st = p.stats();
+        EXPECT_EQ(st.gpu_chunks, 5u);
+        EXPECT_EQ(st.fallback_chunks + st.failed_chunks, 1u);
+    }
+}
+
 TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
     const std::size_t chunk = 20'000;
     const std::size_t n = chunk * 8;

@@ -33,7 +33,9 @@
 // not write it) and the GPU is not used again. After a sticky error the context is gone: every chunk not yet
 // seen complete goes to the fallback. Every chunk is produced once, by the GPU or by the
 // fallback, or is reported failed; without a fallback, run() throws pipeline_error listing the
-// chunks that completed and the ones that failed.
+// chunks that completed and the ones that failed. Streaming keeps the order: a chunk that fails
+// is produced by the fallback when next() reaches it, or next() throws pipeline_error for it
+// (and the chunks after it can still be taken).
 
 #include <cudawait/copy.hpp>
 #include <cudawait/device.hpp>
