@@ -25,6 +25,8 @@
 // parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
 // g++ raise -Wsubobject-linkage in nvcc's host pass.
 
+#include "bench_support.hpp"
+
 #include <cudawait/cudawait.hpp>
 
 #include <benchmark/benchmark.h>
@@ -52,7 +54,6 @@
 
 namespace bench {
 
-using steady = std::chrono::steady_clock;
 using cudawait::check;
 
 // ---- parameters ------------------------------------------------------------------------------
@@ -73,7 +74,6 @@ std::map<std::string, double> g_p50_us;          ///< latency variant -> p50 in 
 std::map<std::string, double> g_rate;            ///< throughput variant -> completions per second
 std::map<std::string, double> g_cpu_fraction;    ///< idle policy -> CPU seconds / wall seconds
 std::map<std::string, double> g_overshoot_us;    ///< idle policy -> median wall time - 200 ms
-int g_failures = 0;                              ///< benchmarks that reported an error
 
 // ---- kernels -----------------------------------------------------------------------------------
 
@@ -106,8 +106,6 @@ void launch_spin(cudaStream_t s, unsigned long long ns) {
 
 // ---- helpers -----------------------------------------------------------------------------------
 
-double seconds(steady::duration d) { return std::chrono::duration<double>(d).count(); }
-
 double thread_cpu_seconds() {
     timespec ts{};
     if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) {
@@ -122,11 +120,6 @@ double percentile(const std::vector<double>& sorted, double p) {
         static_cast<std::size_t>(std::ceil(p * static_cast<double>(sorted.size()))), 1,
         sorted.size());
     return sorted[rank - 1];
-}
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return percentile(v, 0.5);
 }
 
 /// Feeds the collected per-round-trip times (seconds) to Google Benchmark as manual iteration
@@ -146,17 +139,6 @@ void publish_latency(benchmark::State& state, const char* key, const std::vector
     state.counters["min_us"] = sorted.front() * 1e6;
     state.counters["max_us"] = sorted.back() * 1e6;
     g_p50_us[key] = p50;
-}
-
-/// Runs `body`, turning an exception into a benchmark error instead of std::terminate.
-template <class Body>
-void guarded(benchmark::State& state, Body&& body) {
-    try {
-        body();
-    } catch (const std::exception& e) {
-        ++g_failures;
-        state.SkipWithError(e.what());
-    }
 }
 
 std::size_t sample_count(const benchmark::State& state) {
@@ -630,16 +612,7 @@ void warm_up_device() {
     launch_spin(s.get(), 0);
     check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
 
-    cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-    int driver = 0;
-    int runtime = 0;
-    check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
-    check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
-    benchmark::AddCustomContext("gpu", prop.name);
-    benchmark::AddCustomContext("cuda_driver", std::to_string(driver));
-    benchmark::AddCustomContext("cuda_runtime", std::to_string(runtime));
-    benchmark::AddCustomContext("cudawait", cudawait::version_string);
+    add_device_context();
 }
 
 void register_benchmarks() {
@@ -756,23 +729,7 @@ void print_summary() {
 } // namespace bench
 
 int main(int argc, char** argv) {
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
-        return 1;
-    }
-    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
-        std::fprintf(stderr, "await_bench: no CUDA device: %s\n", why.c_str());
-        return 2;
-    }
-    try {
-        bench::warm_up_device();
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "await_bench: device warm-up failed: %s\n", e.what());
-        return 1;
-    }
-    bench::register_benchmarks();
-    benchmark::RunSpecifiedBenchmarks();
-    bench::print_summary();
-    benchmark::Shutdown();
-    return bench::g_failures == 0 ? 0 : 1;
+    return bench::run_main(argc, argv, "await_bench", "every benchmark here waits for a GPU",
+                           bench::warm_up_device, bench::register_benchmarks,
+                           bench::print_summary);
 }

@@ -40,6 +40,8 @@
 //
 // GB/s means 10^9 bytes per second. Every figure in the summary is a median.
 
+#include "bench_support.hpp"
+
 #include <cudawait/cudawait.hpp>
 
 #include <benchmark/benchmark.h>
@@ -69,7 +71,6 @@
 
 namespace bench {
 
-using steady = std::chrono::steady_clock;
 using cudawait::check;
 using namespace cudawait::literals;
 
@@ -117,7 +118,6 @@ std::map<std::string, double> g_alloc_ns;       ///< "pool/<size>", "host/<size>
 std::map<std::string, double> g_growth_ms;      ///< "pool", "host" -> ms per 1 GiB
 std::map<std::string, double> g_pinned_gbps;    ///< "<variant>/<size>/<dir>" -> GB/s
 std::map<std::string, double> g_pageable_gbps;  ///< "<variant>/<size>/<dir>" -> GB/s
-int g_failures = 0;                             ///< benchmarks that reported an error
 
 struct waste_result {
     std::size_t peak_reserved = 0;
@@ -133,30 +133,6 @@ struct waste_result {
 std::map<std::string, waste_result> g_waste; ///< "batches", "churn"
 
 // ---- helpers -----------------------------------------------------------------------------------
-
-double seconds(steady::duration d) { return std::chrono::duration<double>(d).count(); }
-
-double median(std::vector<double> v) {
-    if (v.empty()) {
-        throw std::logic_error("median of no samples");
-    }
-    std::sort(v.begin(), v.end());
-    return v[(v.size() - 1) / 2];
-}
-
-/// "4KiB", "64MiB", "1GiB": for benchmark names and result keys.
-std::string size_name(std::size_t bytes) {
-    if (bytes % 1_GiB == 0) {
-        return std::to_string(bytes / 1_GiB) + "GiB";
-    }
-    if (bytes % 1_MiB == 0) {
-        return std::to_string(bytes / 1_MiB) + "MiB";
-    }
-    if (bytes % 1_KiB == 0) {
-        return std::to_string(bytes / 1_KiB) + "KiB";
-    }
-    return std::to_string(bytes) + "B";
-}
 
 const char* dir_name(direction d) { return d == direction::h2d ? "h2d" : "d2h"; }
 
@@ -181,17 +157,6 @@ void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
     }
     for (; i < n; ++i) {
         p[i] = static_cast<std::byte>(i * 131 + 7);
-    }
-}
-
-/// Runs `body`, turning an exception into a benchmark error instead of std::terminate.
-template <class Body>
-void guarded(benchmark::State& state, Body&& body) {
-    try {
-        body();
-    } catch (const std::exception& e) {
-        ++g_failures;
-        state.SkipWithError(e.what());
     }
 }
 
@@ -671,16 +636,7 @@ void warm_up_device() {
     check(cudaFreeAsync(p, s.get()), "cudaFreeAsync");
     check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
 
-    cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-    int driver = 0;
-    int runtime = 0;
-    check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
-    check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
-    benchmark::AddCustomContext("gpu", prop.name);
-    benchmark::AddCustomContext("cuda_driver", std::to_string(driver));
-    benchmark::AddCustomContext("cuda_runtime", std::to_string(runtime));
-    benchmark::AddCustomContext("cudawait", cudawait::version_string);
+    add_device_context();
     const long pages = ::sysconf(_SC_PHYS_PAGES);
     const long page = ::sysconf(_SC_PAGESIZE);
     if (pages > 0 && page > 0) {
@@ -749,26 +705,6 @@ void register_benchmarks() {
         ->UseManualTime()
         ->Iterations(1)
         ->Unit(benchmark::kMillisecond);
-}
-
-/// The value under `key`, if it was measured in this run.
-std::optional<double> find(const std::map<std::string, double>& m, const std::string& key) {
-    auto it = m.find(key);
-    if (it == m.end()) {
-        return std::nullopt;
-    }
-    return it->second;
-}
-
-const char* verdict(bool met) { return met ? "ok" : "MISSED"; }
-
-/// Prints `v` right-aligned in `width` columns with `decimals` decimals, or "-" when unmeasured.
-void print_cell(std::optional<double> v, int width, int decimals) {
-    if (v) {
-        std::printf(" %*.*f", width, decimals, *v);
-    } else {
-        std::printf(" %*s", width, "-");
-    }
 }
 
 void print_alloc_summary() {
@@ -914,24 +850,9 @@ void print_summary() {
 } // namespace bench
 
 int main(int argc, char** argv) {
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
-        return 1;
-    }
-    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
-        std::fprintf(stderr, "memory_bench: no CUDA device: %s\nmemory_bench: every benchmark here needs a GPU (the pinned pool registers its memory with CUDA); nothing was run\n",
-                     why.c_str());
-        return 2;
-    }
-    try {
-        bench::warm_up_device();
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "memory_bench: device warm-up failed: %s\n", e.what());
-        return 1;
-    }
-    bench::register_benchmarks();
-    benchmark::RunSpecifiedBenchmarks();
-    bench::print_summary();
-    benchmark::Shutdown();
-    return bench::g_failures == 0 ? 0 : 1;
+    return bench::run_main(argc, argv, "memory_bench",
+                           "every benchmark here needs a GPU (the pinned pool registers its "
+                           "memory with CUDA)",
+                           bench::warm_up_device, bench::register_benchmarks,
+                           bench::print_summary);
 }

@@ -65,6 +65,8 @@
 // g++ raise -Wsubobject-linkage in nvcc's host pass. Pipeline stages are named function objects
 // for the same reason.
 
+#include "bench_support.hpp"
+
 #include <cudawait/cudawait.hpp>
 #include <cudawait/pipeline.hpp>
 
@@ -94,7 +96,6 @@
 
 namespace bench {
 
-using steady = std::chrono::steady_clock;
 using cudawait::check;
 using namespace cudawait::literals;
 using float_pipeline = cudawait::pipeline<float>;
@@ -183,7 +184,6 @@ struct timed_stats {
 };
 std::map<std::string, timed_stats> g_stats; ///< "light", "heavy"
 std::size_t g_checked_runs = 0;             ///< runs whose output was checked
-int g_failures = 0;                         ///< benchmarks that reported an error
 
 // ---- kernels -----------------------------------------------------------------------------------
 
@@ -254,31 +254,7 @@ struct heavy_stage {
 
 // ---- helpers -----------------------------------------------------------------------------------
 
-double seconds(steady::duration d) { return std::chrono::duration<double>(d).count(); }
-
-double median(std::vector<double> v) {
-    if (v.empty()) {
-        throw std::logic_error("median of no samples");
-    }
-    std::sort(v.begin(), v.end());
-    return v[(v.size() - 1) / 2];
-}
-
 double gbps(std::size_t bytes, double secs) { return static_cast<double>(bytes) / secs * 1e-9; }
-
-/// "64KiB", "1MiB", "4GiB": for benchmark names and result keys.
-std::string size_name(std::size_t bytes) {
-    if (bytes % 1_GiB == 0) {
-        return std::to_string(bytes / 1_GiB) + "GiB";
-    }
-    if (bytes % 1_MiB == 0) {
-        return std::to_string(bytes / 1_MiB) + "MiB";
-    }
-    if (bytes % 1_KiB == 0) {
-        return std::to_string(bytes / 1_KiB) + "KiB";
-    }
-    return std::to_string(bytes) + "B";
-}
 
 std::string chunk_key(bool graph, unsigned depth) {
     return std::string(graph ? "graph" : "plain") + "/d" + std::to_string(depth);
@@ -338,17 +314,6 @@ void heavy_reference_range(const float* in, const std::size_t* at, float* ref, i
 /// The j-th element of a strided sample: one per stride, at a position within it that varies.
 std::size_t sample_index(std::size_t j, std::size_t stride) {
     return j * stride + (j * 2654435761ULL) % stride;
-}
-
-/// Runs `body`, turning an exception into a benchmark error instead of std::terminate.
-template <class Body>
-void guarded(benchmark::State& state, Body&& body) {
-    try {
-        body();
-    } catch (const std::exception& e) {
-        ++g_failures;
-        state.SkipWithError(e.what());
-    }
 }
 
 /// Feeds measured per-run times (seconds) to Google Benchmark as manual iteration times.
@@ -1011,17 +976,7 @@ void warm_up_device() {
     check(cudaFreeAsync(p, s.get()), "cudaFreeAsync");
     check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
 
-    cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-    g_sm_count = prop.multiProcessorCount;
-    int driver = 0;
-    int runtime = 0;
-    check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
-    check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
-    benchmark::AddCustomContext("gpu", prop.name);
-    benchmark::AddCustomContext("cuda_driver", std::to_string(driver));
-    benchmark::AddCustomContext("cuda_runtime", std::to_string(runtime));
-    benchmark::AddCustomContext("cudawait", cudawait::version_string);
+    g_sm_count = add_device_context().multiProcessorCount;
 }
 
 /// Buffers for timing one 64 MiB chunk's operations with events.
@@ -1143,26 +1098,6 @@ void register_benchmarks() {
             ->UseManualTime()
             ->Iterations(1)
             ->Unit(benchmark::kMillisecond);
-    }
-}
-
-/// The value under `key`, if it was measured in this run.
-std::optional<double> find(const std::map<std::string, double>& m, const std::string& key) {
-    auto it = m.find(key);
-    if (it == m.end()) {
-        return std::nullopt;
-    }
-    return it->second;
-}
-
-const char* verdict(bool met) { return met ? "ok" : "MISSED"; }
-
-/// Prints `v` right-aligned in `width` columns with `decimals` decimals, or "-" when unmeasured.
-void print_cell(std::optional<double> v, int width, int decimals) {
-    if (v) {
-        std::printf(" %*.*f", width, decimals, *v);
-    } else {
-        std::printf(" %*s", width, "-");
     }
 }
 
@@ -1447,27 +1382,15 @@ void print_summary() {
 } // namespace bench
 
 int main(int argc, char** argv) {
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
-        return 1;
-    }
-    if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
-        std::fprintf(stderr, "pipeline_bench: no CUDA device: %s\npipeline_bench: every benchmark here moves data to and from a GPU; nothing was run\n",
-                     why.c_str());
-        return 2;
-    }
-    try {
-        bench::warm_up_device();
-        bench::calibrate_heavy();
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "pipeline_bench: device warm-up or calibration failed: %s\n",
-                     e.what());
-        return 1;
-    }
-    bench::register_benchmarks();
-    benchmark::RunSpecifiedBenchmarks();
-    bench::print_summary();
-    benchmark::Shutdown();
-    bench::g_work.reset(); // unregisters the pinned memory while the runtime is still up
-    return bench::g_failures == 0 ? 0 : 1;
+    return bench::run_main(
+        argc, argv, "pipeline_bench", "every benchmark here moves data to and from a GPU",
+        [] {
+            bench::warm_up_device();
+            bench::calibrate_heavy();
+        },
+        bench::register_benchmarks,
+        [] {
+            bench::print_summary();
+            bench::g_work.reset(); // unregisters the pinned memory while the runtime is still up
+        });
 }
