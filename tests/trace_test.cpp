@@ -17,7 +17,7 @@ TEST(trace_range, nests_and_unwinds) {
         cudawait::trace_range outer("outer", 1);
         ++depth;
         for (std::size_t i = 0; i < 1000; ++i) {
-            cudawait::trace_range inner("a name long enough to be cut off by the buffer", i);
+            cudawait::trace_range inner("inner", i);
             ++depth;
             --depth;
         }

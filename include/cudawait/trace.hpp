@@ -2,14 +2,16 @@
 #pragma once
 
 // Synopsis
-//   trace_range r("h2d", chunk);    an NVTX range "cudawait h2d 12" on this thread until r ends
+//   trace_range r("h2d", chunk);    an NVTX range "h2d" in the "cudawait" domain, with the chunk
+//                                   index as its payload, on this thread until r ends
 //
-// NVTX3 is header-only; the ranges cost nothing unless a profiler (Nsight Systems) is attached.
-// Define CUDAWAIT_DISABLE_NVTX to compile them out altogether; without the NVTX3 headers on the
-// include path they are compiled out as well.
+// NVTX3 is header-only; without a profiler (Nsight Systems) attached a range costs a call that
+// returns at once, and nothing is formatted: the index travels as the payload, so the pipeline's
+// per-chunk path pays no string work. Define CUDAWAIT_DISABLE_NVTX to compile the ranges out
+// altogether; without the NVTX3 headers on the include path they are compiled out as well.
 
 #include <cstddef>
-#include <cstdio>
+#include <cstdint>
 
 #if !defined(CUDAWAIT_DISABLE_NVTX) && __has_include(<nvtx3/nvToolsExt.h>)
 #include <nvtx3/nvToolsExt.h>
@@ -20,14 +22,20 @@
 
 namespace cudawait {
 
-/// A scoped NVTX range named "cudawait <what> <index>".
+/// A scoped NVTX range in the "cudawait" domain: message `what` (a string that outlives the
+/// range, such as a literal), payload `index`.
 class trace_range {
 public:
     explicit trace_range(const char* what, std::size_t index) noexcept {
 #if CUDAWAIT_HAS_NVTX
-        char name[64];
-        std::snprintf(name, sizeof name, "cudawait %s %zu", what, index);
-        nvtxRangePushA(name);
+        nvtxEventAttributes_t attr{};
+        attr.version = NVTX_VERSION;
+        attr.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+        attr.messageType = NVTX_MESSAGE_TYPE_ASCII;
+        attr.message.ascii = what;
+        attr.payloadType = NVTX_PAYLOAD_TYPE_UNSIGNED_INT64;
+        attr.payload.ullValue = static_cast<std::uint64_t>(index);
+        nvtxDomainRangePushEx(domain(), &attr);
 #else
         (void)what;
         (void)index;
@@ -37,9 +45,17 @@ public:
     trace_range& operator=(const trace_range&) = delete;
     ~trace_range() {
 #if CUDAWAIT_HAS_NVTX
-        nvtxRangePop();
+        nvtxDomainRangePop(domain());
 #endif
     }
+
+private:
+#if CUDAWAIT_HAS_NVTX
+    static nvtxDomainHandle_t domain() noexcept {
+        static const nvtxDomainHandle_t d = nvtxDomainCreateA("cudawait");
+        return d;
+    }
+#endif
 };
 
 } // namespace cudawait
