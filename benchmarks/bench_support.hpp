@@ -74,6 +74,19 @@ inline std::optional<double> find(const std::map<std::string, double>& m, const 
     return it->second;
 }
 
+/// The value `cache` holds under `key`, measured by `measure()` the first time it is asked for.
+/// Paired benchmarks share one measurement this way: whichever runs first takes it. A throw
+/// stores nothing, so the next benchmark tries again and reports its own error.
+template <class V, class Measure>
+const V& measured_once(std::map<std::string, V>& cache, const std::string& key,
+                       Measure&& measure) {
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+        it = cache.emplace(key, measure()).first;
+    }
+    return it->second;
+}
+
 inline const char* verdict(bool met) { return met ? "ok" : "MISSED"; }
 
 /// Prints `v` right-aligned in `width` columns with `decimals` decimals, or "-" when unmeasured.

@@ -180,15 +180,6 @@ struct paired_seconds {
 /// own error.
 std::map<std::string, paired_seconds> g_paired;
 
-template <class Measure>
-const paired_seconds& measured_once(const std::string& key, Measure&& measure) {
-    auto it = g_paired.find(key);
-    if (it == g_paired.end()) {
-        it = g_paired.emplace(key, measure()).first;
-    }
-    return it->second;
-}
-
 // ---- 1. allocate + free, hit path ---------------------------------------------------------------
 
 /// Median ns per pair over kPoolBatches batches; the pool reserved enough first, so no pair
@@ -320,7 +311,7 @@ paired_seconds measure_growth() {
 
 void BM_pool_reserve_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const paired_seconds runs = measured_once("growth", measure_growth);
+        const paired_seconds runs = measured_once(g_paired, "growth", measure_growth);
         replay(state, runs.library);
         const double ms = median(runs.library) * 1e3;
         state.counters["ms"] = ms;
@@ -333,7 +324,7 @@ void BM_pool_reserve_1GiB(benchmark::State& state) {
 
 void BM_cudaHostAlloc_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const paired_seconds runs = measured_once("growth", measure_growth);
+        const paired_seconds runs = measured_once(g_paired, "growth", measure_growth);
         replay(state, runs.raw);
         const double ms = median(runs.raw) * 1e3;
         state.counters["ms"] = ms;
@@ -403,9 +394,9 @@ paired_seconds measure_pinned_copy(std::size_t bytes, std::int64_t rounds, direc
 void BM_pinned_copy(benchmark::State& state, bool library, std::size_t bytes, std::int64_t rounds,
                     direction d) {
     guarded(state, [&] {
-        const paired_seconds runs = measured_once(copy_key("pinned", bytes, d), [&] {
-            return measure_pinned_copy(bytes, rounds, d);
-        });
+        const paired_seconds runs =
+            measured_once(g_paired, copy_key("pinned", bytes, d),
+                          [&] { return measure_pinned_copy(bytes, rounds, d); });
         const std::vector<double>& mine = library ? runs.library : runs.raw;
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
@@ -506,9 +497,9 @@ paired_seconds measure_pageable_copy(std::size_t bytes, std::int64_t rounds, dir
 void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes,
                       std::int64_t rounds, direction d) {
     guarded(state, [&] {
-        const paired_seconds runs = measured_once(copy_key("pageable", bytes, d), [&] {
-            return measure_pageable_copy(bytes, rounds, d);
-        });
+        const paired_seconds runs =
+            measured_once(g_paired, copy_key("pageable", bytes, d),
+                          [&] { return measure_pageable_copy(bytes, rounds, d); });
         const std::vector<double>& mine = library ? runs.library : runs.raw;
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));

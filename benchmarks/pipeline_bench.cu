@@ -333,15 +333,6 @@ using runs_by_variant = std::map<std::string, std::vector<double>>;
 /// own error.
 std::map<std::string, runs_by_variant> g_measured;
 
-template <class Measure>
-const runs_by_variant& measured_once(const std::string& key, Measure&& measure) {
-    auto it = g_measured.find(key);
-    if (it == g_measured.end()) {
-        it = g_measured.emplace(key, measure()).first;
-    }
-    return it->second;
-}
-
 /// The samples of `variant`. @throws std::runtime_error when there are none
 std::vector<double> samples_of(const runs_by_variant& runs, const std::string& variant) {
     auto it = runs.find(variant);
@@ -756,7 +747,7 @@ runs_by_variant measure_light() {
 
 void BM_light(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once("light", measure_light);
+        const runs_by_variant runs = measured_once(g_measured, "light", measure_light);
         const std::vector<double> mine = samples_of(runs, variant);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
@@ -819,7 +810,7 @@ runs_by_variant measure_heavy() {
 
 void BM_heavy(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once("heavy", measure_heavy);
+        const runs_by_variant runs = measured_once(g_measured, "heavy", measure_heavy);
         const std::vector<double> mine = samples_of(runs, variant);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
@@ -874,7 +865,8 @@ runs_by_variant measure_chunk_case(chunk_case c) {
 void BM_chunk(benchmark::State& state, chunk_case c, bool graph) {
     guarded(state, [&] {
         const runs_by_variant runs =
-            measured_once("chunk/" + size_name(c.bytes), [&] { return measure_chunk_case(c); });
+            measured_once(g_measured, "chunk/" + size_name(c.bytes),
+                          [&] { return measure_chunk_case(c); });
         const std::vector<double> mine = samples_of(runs, chunk_key(graph, c.depth));
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(c.total));
@@ -924,7 +916,7 @@ runs_by_variant measure_host_memory() {
 
 void BM_host_memory(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once("host_memory", measure_host_memory);
+        const runs_by_variant runs = measured_once(g_measured, "host_memory", measure_host_memory);
         const std::vector<double> mine = samples_of(runs, variant);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));

@@ -259,7 +259,8 @@ template <class R>
 memory_kind kind_of(const R&, const void* p) {
     using plain = std::remove_cvref_t<R>;
     using T = std::ranges::range_value_t<plain>;
-    if constexpr (std::is_same_v<plain, pinned_buffer<T>> || std::is_same_v<plain, mapped_buffer<T>>) {
+    if constexpr (std::is_same_v<plain, pinned_buffer<T>> ||
+                  std::is_same_v<plain, mapped_buffer<T>>) {
         return memory_kind::pinned;
     } else if constexpr (std::is_same_v<plain, device_buffer<T>>) {
         return memory_kind::device;
