@@ -22,7 +22,6 @@
 //   - co_await copy(...) waits without blocking the scheduler, except for the host memcpy of
 //     each chunk, which runs on the scheduler's thread with the helpers.
 
-#include <cudawait/detail/parallel_memcpy.hpp>
 #include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -32,6 +31,8 @@
 #include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
+
+#include <cudawait/detail/parallel_memcpy.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -117,9 +118,7 @@ public:
 
     /// Progress without waiting; the event to wait on next, or nullptr when the copy needs no
     /// more host work (host to device: all enqueued; device to host: all written).
-    cudaEvent_t advance() {
-        return m_to_device ? advance_to_device() : advance_from_device();
-    }
+    cudaEvent_t advance() { return m_to_device ? advance_to_device() : advance_from_device(); }
 
     /// The event recorded after the last chunk's DMA (host to device).
     [[nodiscard]] cudaEvent_t last_event() const {
@@ -236,7 +235,7 @@ struct copy_plan {
 
 template <class R>
 concept copy_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
-                     std::is_trivially_copyable_v<std::ranges::range_value_t<R>>;
+    std::is_trivially_copyable_v<std::ranges::range_value_t<R>>;
 
 // The pool a range's memory belongs to: a pinned_buffer's own, else `fallback` if it owns it.
 template <class R>
@@ -281,8 +280,8 @@ copy_plan make_plan(const Dst& dst, const Src& src, const copy_options& opt) {
     if (ns == 0) {
         throw usage_error("copy: zero elements to copy");
     }
-    auto* d = reinterpret_cast<std::byte*>(
-        const_cast<std::remove_const_t<T>*>(std::ranges::data(dst)));
+    auto* d =
+        reinterpret_cast<std::byte*>(const_cast<std::remove_const_t<T>*>(std::ranges::data(dst)));
     auto* s = reinterpret_cast<const std::byte*>(std::ranges::data(src));
     if (d == nullptr || s == nullptr) {
         throw usage_error("copy: null destination or source with a non-zero size");
@@ -334,22 +333,20 @@ inline task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
 namespace detail {
 
 template <class Dst, class Src>
-concept copyable_pair =
-    copy_range<Dst> && copy_range<Src> &&
+concept copyable_pair = copy_range<Dst> && copy_range<Src> &&
     std::is_same_v<std::ranges::range_value_t<Dst>, std::ranges::range_value_t<Src>> &&
     (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<Dst>>>);
 
 struct copy_async_fn {
     template <class Dst, class Src>
-        requires copyable_pair<Dst, Src>
+    requires copyable_pair<Dst, Src>
     void operator()(Dst&& dst, Src&& src, stream_ref s, const copy_options& opt = {}) const {
         copy_plan plan = make_plan(dst, src, opt);
         if (!plan.staged()) {
             enqueue_direct(plan, s);
             return;
         }
-        staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt),
-                       opt);
+        staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt), opt);
         while (cudaEvent_t ev = sc.advance()) {
             check(cudaEventSynchronize(ev), "cudaEventSynchronize");
         }
@@ -358,7 +355,7 @@ struct copy_async_fn {
 
 struct copy_fn {
     template <class Dst, class Src>
-        requires copyable_pair<Dst, Src>
+    requires copyable_pair<Dst, Src>
     [[nodiscard]] task<void> operator()(Dst&& dst, Src&& src, stream_ref s,
                                         const copy_options& opt = {}) const {
         return copy_task(make_plan(dst, src, opt), s, opt);

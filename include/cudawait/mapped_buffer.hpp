@@ -57,7 +57,8 @@ public:
     }
 
     mapped_buffer(mapped_buffer&& other) noexcept
-        : m_host(std::exchange(other.m_host, nullptr)), m_device(std::exchange(other.m_device, nullptr)),
+        : m_host(std::exchange(other.m_host, nullptr)),
+          m_device(std::exchange(other.m_device, nullptr)),
           m_count(std::exchange(other.m_count, 0)) {}
     mapped_buffer& operator=(mapped_buffer&& other) noexcept {
         if (this != &other) {

@@ -2,10 +2,10 @@
 #pragma once
 
 // Synopsis
-//   pinned_buffer<float> buf(n);           n floats of page-locked memory from default_pinned_pool()
-//   pinned_buffer<float> buf(n, pool);     ... from `pool`
-//   std::span<float> s = buf.span();       host access
-//   buf.record_use(stream);                the block is reused only after `stream` passed here
+//   pinned_buffer<float> buf(n);           n floats of page-locked memory from
+//   default_pinned_pool() pinned_buffer<float> buf(n, pool);     ... from `pool` std::span<float> s
+//   = buf.span();       host access buf.record_use(stream);                the block is reused only
+//   after `stream` passed here
 //                                          (copy.hpp's copies do this for you)
 //
 // Move-only; the block goes back to its pool when the buffer is destroyed.
@@ -44,12 +44,13 @@ public:
         if (count > std::size_t(-1) / sizeof(T)) {
             throw usage_error("pinned_buffer: element count overflows the byte size");
         }
-        m_data = static_cast<T*>(pool.allocate(count * sizeof(T), alignof(T) < 256 ? 256 : alignof(T)));
+        m_data =
+            static_cast<T*>(pool.allocate(count * sizeof(T), alignof(T) < 256 ? 256 : alignof(T)));
     }
 
     pinned_buffer(pinned_buffer&& other) noexcept
-        : m_pool(std::exchange(other.m_pool, nullptr)), m_data(std::exchange(other.m_data, nullptr)),
-          m_count(std::exchange(other.m_count, 0)) {}
+        : m_pool(std::exchange(other.m_pool, nullptr)),
+          m_data(std::exchange(other.m_data, nullptr)), m_count(std::exchange(other.m_count, 0)) {}
     pinned_buffer& operator=(pinned_buffer&& other) noexcept {
         if (this != &other) {
             reset();

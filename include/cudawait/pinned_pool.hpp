@@ -18,10 +18,11 @@
 // The pool is a std::pmr::memory_resource and a libcu++ cuda::mr resource whose memory is both
 // host- and device-accessible.
 
-#include <cudawait/detail/block_heap.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/stream.hpp>
+
+#include <cudawait/detail/block_heap.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -51,9 +52,9 @@
 #include <cuda/version>
 #endif
 
-// CCCL 3.0 declares the cuda::mr properties only behind LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE;
-// later versions declare them unconditionally.
-#if defined(CCCL_VERSION) &&                                                                      \
+// CCCL 3.0 declares the cuda::mr properties only behind
+// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE; later versions declare them unconditionally.
+#if defined(CCCL_VERSION) &&                                                                       \
     (defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) || CCCL_VERSION >= 3001000)
 #define CUDAWAIT_HAS_CUDA_MR 1
 #else
@@ -64,9 +65,15 @@ namespace cudawait {
 
 /// Byte-size literals: `using namespace cudawait::literals;` then `64_MiB`.
 inline namespace literals {
-constexpr std::size_t operator""_KiB(unsigned long long n) { return static_cast<std::size_t>(n) << 10; }
-constexpr std::size_t operator""_MiB(unsigned long long n) { return static_cast<std::size_t>(n) << 20; }
-constexpr std::size_t operator""_GiB(unsigned long long n) { return static_cast<std::size_t>(n) << 30; }
+constexpr std::size_t operator""_KiB(unsigned long long n) {
+    return static_cast<std::size_t>(n) << 10;
+}
+constexpr std::size_t operator""_MiB(unsigned long long n) {
+    return static_cast<std::size_t>(n) << 20;
+}
+constexpr std::size_t operator""_GiB(unsigned long long n) {
+    return static_cast<std::size_t>(n) << 30;
+}
 } // namespace literals
 
 /// Thrown when a request would take the pool past its cap on page-locked bytes, after cached
@@ -204,7 +211,8 @@ private:
     void* map_and_register(std::size_t bytes) {
         // Map 2 MiB extra and trim, so that the slab starts on a huge-page boundary.
         std::size_t span = bytes + alignment;
-        void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        void* raw =
+            ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (raw == MAP_FAILED) {
             throw std::bad_alloc();
         }
@@ -300,16 +308,16 @@ struct pinned_pool_options {
 
 /// What a pool has done so far.
 struct pinned_pool_stats {
-    std::size_t in_use_bytes = 0;     ///< sizes of blocks handed out (granule-rounded)
-    std::size_t requested_bytes = 0;  ///< sizes callers asked for, of blocks handed out
-    std::size_t reserved_bytes = 0;   ///< page-locked bytes held from the upstream
+    std::size_t in_use_bytes = 0;    ///< sizes of blocks handed out (granule-rounded)
+    std::size_t requested_bytes = 0; ///< sizes callers asked for, of blocks handed out
+    std::size_t reserved_bytes = 0;  ///< page-locked bytes held from the upstream
     std::size_t peak_in_use_bytes = 0;
     std::size_t peak_requested_bytes = 0; ///< with peak_reserved_bytes: the pool's waste
     std::size_t peak_reserved_bytes = 0;
-    std::size_t pending_bytes = 0;    ///< freed, waiting for the GPU to finish with them
+    std::size_t pending_bytes = 0; ///< freed, waiting for the GPU to finish with them
     std::size_t blocks_in_use = 0;
-    std::uint64_t hits = 0;           ///< requests served without growing
-    std::uint64_t misses = 0;         ///< requests that grew the pool
+    std::uint64_t hits = 0;   ///< requests served without growing
+    std::uint64_t misses = 0; ///< requests that grew the pool
     std::uint64_t growth_count = 0;
     std::chrono::nanoseconds growth_time{0};
 };
@@ -347,8 +355,7 @@ public:
     /// The smallest alignment and size step of a block.
     static constexpr std::size_t granule = 256;
 
-    explicit pinned_pool(pinned_pool_options options = {})
-        : m_options(std::move(options)) {
+    explicit pinned_pool(pinned_pool_options options = {}) : m_options(std::move(options)) {
         if (!m_options.upstream) {
             m_options.upstream = std::make_shared<registered_slab_source>();
         }

@@ -30,9 +30,9 @@
 // fewer (level 1), down to depth 1, then handed to the fallback (level 2). In a batch, a chunk
 // that does not finish within `chunk_timeout` lowers the depth and is waited for again; after
 // `max_retries` timeouts it is reported failed (its copy may still land, so the fallback does
-// not write it) and the GPU is not used again. After a sticky error the context is gone: every chunk not yet
-// seen complete goes to the fallback. Every chunk is produced once, by the GPU or by the
-// fallback, or is reported failed; without a fallback, run() throws pipeline_error listing the
+// not write it) and the GPU is not used again. After a sticky error the context is gone: every
+// chunk not yet seen complete goes to the fallback. Every chunk is produced once, by the GPU or by
+// the fallback, or is reported failed; without a fallback, run() throws pipeline_error listing the
 // chunks that completed and the ones that failed. Streaming keeps the order: a chunk that fails
 // is produced by the fallback when next() reaches it, or next() throws pipeline_error for it
 // (and the chunks after it can still be taken).
@@ -73,25 +73,25 @@ namespace cudawait {
 
 /// Passed to pipeline_options::on_alert when achieved bandwidth stayed low over a window.
 struct pipeline_alert {
-    const char* direction;  ///< "h2d" or "d2h"
-    double achieved_gbps;   ///< over the window
-    double peak_gbps;       ///< the link's measured one-way peak
-    std::size_t window;     ///< chunks in the window
+    const char* direction; ///< "h2d" or "d2h"
+    double achieved_gbps;  ///< over the window
+    double peak_gbps;      ///< the link's measured one-way peak
+    std::size_t window;    ///< chunks in the window
 };
 
 /// One degradation step, passed to pipeline_options::on_degrade (default: printed to stderr).
 struct chunk_failure {
-    std::size_t chunk;          ///< chunk index within the run (or submission index)
-    std::size_t offset;         ///< first input element of the chunk
-    std::size_t elements;       ///< input elements in the chunk
+    std::size_t chunk;    ///< chunk index within the run (or submission index)
+    std::size_t offset;   ///< first input element of the chunk
+    std::size_t elements; ///< input elements in the chunk
     std::size_t output_elements;
-    unsigned depth;             ///< slots in use when it failed
+    unsigned depth; ///< slots in use when it failed
     unsigned compute_streams;
     int device;
     bool graph;
-    int level;                  ///< 1: retried with less concurrency; 2: fallback or failed
-    std::string action;         ///< what the pipeline did about it
-    std::string error;          ///< what went wrong
+    int level;          ///< 1: retried with less concurrency; 2: fallback or failed
+    std::string action; ///< what the pipeline did about it
+    std::string error;  ///< what went wrong
 };
 
 /// How a pipeline is built; chunk_elements is required.
@@ -139,14 +139,14 @@ struct pipeline_stats {
     std::size_t retries = 0;
     std::size_t input_bytes = 0;
     std::size_t output_bytes = 0;
-    double wall_seconds = 0;     ///< the batch, first enqueue to last chunk retired
-    double h2d_seconds = 0;      ///< sums of the stages' GPU times
+    double wall_seconds = 0; ///< the batch, first enqueue to last chunk retired
+    double h2d_seconds = 0;  ///< sums of the stages' GPU times
     double compute_seconds = 0;
     double d2h_seconds = 0;
-    double graph_seconds = 0;    ///< graph mode: whole replays (stages are not split there)
-    double h2d_gbps = 0;         ///< bytes over the H2D stage's own time
+    double graph_seconds = 0; ///< graph mode: whole replays (stages are not split there)
+    double h2d_gbps = 0;      ///< bytes over the H2D stage's own time
     double d2h_gbps = 0;
-    double throughput_gbps = 0;  ///< input bytes over wall time
+    double throughput_gbps = 0;     ///< input bytes over wall time
     double compute_to_transfer = 0; ///< compute time over the longer copy stage's time
     double overlap_efficiency = 0;  ///< the longest stage's time over wall time (1 = perfect)
     double link_peak_gbps = 0;      ///< measured once per device (with `timing`)
@@ -160,7 +160,8 @@ class pipeline_error : public std::runtime_error {
 public:
     pipeline_error(const std::string& what, std::vector<std::size_t> completed,
                    std::vector<std::size_t> failed)
-        : std::runtime_error(what), m_completed(std::move(completed)), m_failed(std::move(failed)) {}
+        : std::runtime_error(what), m_completed(std::move(completed)), m_failed(std::move(failed)) {
+    }
     /// Chunks whose output is in place.
     [[nodiscard]] const std::vector<std::size_t>& completed() const noexcept { return m_completed; }
     /// Chunks without output.
@@ -195,10 +196,12 @@ inline double link_peak_gbps(int device) {
         for (int rep = 0; rep < 4; ++rep) {
             start.record(s);
             if (dir == 0) {
-                check(cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, s.get()),
+                check(cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice,
+                                      s.get()),
                       "cudaMemcpyAsync");
             } else {
-                check(cudaMemcpyAsync(host.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, s.get()),
+                check(cudaMemcpyAsync(host.data(), dev.data(), bytes, cudaMemcpyDeviceToHost,
+                                      s.get()),
                       "cudaMemcpyAsync");
             }
             stop.record(s);
@@ -254,8 +257,8 @@ class pipeline {
 
 public:
     using stage = std::function<void(std::span<In> in, std::span<Out> out, stream_ref s)>;
-    using fallback = std::function<void(std::size_t chunk, std::span<const In> in,
-                                        std::span<Out> out)>;
+    using fallback =
+        std::function<void(std::size_t chunk, std::span<const In> in, std::span<Out> out)>;
 
     class input_slot;
     class result;
@@ -523,7 +526,8 @@ public:
         s.depth = m_active_depth;
         s.gpu_abandoned = m_gpu_abandoned;
         s.link_peak_gbps = m_link_peak;
-        s.h2d_gbps = s.h2d_seconds > 0 ? static_cast<double>(s.input_bytes) / s.h2d_seconds / 1e9 : 0;
+        s.h2d_gbps =
+            s.h2d_seconds > 0 ? static_cast<double>(s.input_bytes) / s.h2d_seconds / 1e9 : 0;
         s.d2h_gbps =
             s.d2h_seconds > 0 ? static_cast<double>(s.output_bytes) / s.d2h_seconds / 1e9 : 0;
         s.throughput_gbps =
@@ -557,8 +561,8 @@ public:
             suggested = chunk * 2;
         }
         double peak = m_link_peak > 0 ? m_link_peak : 25.0;
-        auto floor_elems = std::max<std::size_t>(
-            1, static_cast<std::size_t>(peak * 1e9 * 50e-6) / sizeof(In));
+        auto floor_elems =
+            std::max<std::size_t>(1, static_cast<std::size_t>(peak * 1e9 * 50e-6) / sizeof(In));
         std::size_t ceiling = std::max<std::size_t>(1, (std::size_t{256} << 20) / sizeof(In));
         return std::clamp(suggested, std::min(floor_elems, chunk), std::max(ceiling, chunk));
     }
@@ -622,7 +626,7 @@ private:
         pipeline* owner;
         device_buffer<In> dev_in;
         device_buffer<Out> dev_out;
-        pinned_buffer<In> host_in;   // staging, streaming and graph placeholders only
+        pinned_buffer<In> host_in; // staging, streaming and graph placeholders only
         pinned_buffer<Out> host_out;
         event h2d_done;
         event compute_done;
@@ -636,7 +640,7 @@ private:
 
     struct flight {
         std::size_t chunk = 0;
-        std::size_t offset = 0;  // input elements
+        std::size_t offset = 0; // input elements
         std::size_t count = 0;
         std::size_t output_count = 0;
         std::size_t slot = 0;
@@ -646,7 +650,7 @@ private:
         bool by_fallback = false;
         bool sticky = false;
         std::string enqueue_error;
-        Out* staged_out = nullptr;  // batch with pageable output: copy from the slot here
+        Out* staged_out = nullptr; // batch with pageable output: copy from the slot here
     };
 
     enum class chunk_state { pending, gpu, fallback, failed };
@@ -776,8 +780,8 @@ private:
         check(cudaGraphCreate(&sl.graph, 0), "cudaGraphCreate");
         std::size_t in_bytes = m_options.chunk_elements * sizeof(In);
         std::size_t out_bytes = m_options.output_elements * sizeof(Out);
-        check(cudaGraphAddMemcpyNode1D(&sl.h2d_node, sl.graph, nullptr, 0, sl.dev_in.data(),
-                                       src, in_bytes, cudaMemcpyHostToDevice),
+        check(cudaGraphAddMemcpyNode1D(&sl.h2d_node, sl.graph, nullptr, 0, sl.dev_in.data(), src,
+                                       in_bytes, cudaMemcpyHostToDevice),
               "cudaGraphAddMemcpyNode1D");
         stream capture(device_ref(m_options.device), 0);
         check(cudaStreamBeginCapture(capture.get(), cudaStreamCaptureModeThreadLocal),
@@ -801,8 +805,8 @@ private:
         cudaError_t st = cudaGraphAddChildGraphNode(&kernels, sl.graph, &sl.h2d_node, 1, stages);
         detail::report(cudaGraphDestroy(stages), "cudaGraphDestroy");
         check(st, "cudaGraphAddChildGraphNode");
-        check(cudaGraphAddMemcpyNode1D(&sl.d2h_node, sl.graph, &kernels, 1, dst,
-                                       sl.dev_out.data(), out_bytes, cudaMemcpyDeviceToHost),
+        check(cudaGraphAddMemcpyNode1D(&sl.d2h_node, sl.graph, &kernels, 1, dst, sl.dev_out.data(),
+                                       out_bytes, cudaMemcpyDeviceToHost),
               "cudaGraphAddMemcpyNode1D");
         check(cudaGraphInstantiate(&sl.graph_exec, sl.graph, 0), "cudaGraphInstantiate");
     }
@@ -879,11 +883,13 @@ private:
         }
         m_window.clear();
         double limit = m_options.alert_fraction * m_link_peak;
-        for (auto [dir, gbps] : {std::pair{"h2d", bin / tin / 1e9}, std::pair{"d2h", bout / tout / 1e9}}) {
+        for (auto [dir, gbps] :
+             {std::pair{"h2d", bin / tin / 1e9}, std::pair{"d2h", bout / tout / 1e9}}) {
             if (gbps < limit) {
                 ++m_stats.alerts;
                 if (m_options.on_alert) {
-                    m_options.on_alert(pipeline_alert{dir, gbps, m_link_peak, m_options.alert_window});
+                    m_options.on_alert(
+                        pipeline_alert{dir, gbps, m_link_peak, m_options.alert_window});
                 }
             }
         }
@@ -906,7 +912,7 @@ private:
         std::vector<chunk_state> state;
         std::vector<unsigned> attempts;
         std::deque<flight> inflight;
-        std::vector<bool> busy; // slots with a chunk in flight (staging)
+        std::vector<bool> busy;    // slots with a chunk in flight (staging)
         std::size_t next_slot = 0; // round robin (run-ahead)
         [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
@@ -979,8 +985,7 @@ private:
     void finish(batch& b, flight& f) {
         if (f.staged_out != nullptr) {
             trace_range r("stage-out", f.chunk);
-            detail::memcpy_workers::instance().copy(f.staged_out,
-                                                    m_slots[f.slot]->host_out.data(),
+            detail::memcpy_workers::instance().copy(f.staged_out, m_slots[f.slot]->host_out.data(),
                                                     f.output_count * sizeof(Out));
         }
         record_timing(f);
@@ -1060,8 +1065,7 @@ private:
                     report(f, 1, "retrying with depth " + std::to_string(m_active_depth), error);
                     continue;
                 }
-                report(f, 2, m_fallback ? "handed to the fallback" : "failed (no fallback)",
-                       error);
+                report(f, 2, m_fallback ? "handed to the fallback" : "failed (no fallback)", error);
                 run_fallback(b, next++);
                 continue;
             }
