@@ -2,7 +2,8 @@
 //
 // await_bench: what `co_await stream` costs compared to waiting for CUDA work by hand.
 //
-//   1. Round-trip latency, empty kernel launch -> waiter running again (p50 of 20000 samples):
+//   1. Round-trip latency, empty kernel launch -> waiter running again (p50 of 20000 samples per
+//      variant; the six variants are measured together, in 20 interleaved rounds):
 //        BM_roundtrip_stream_sync         cudaStreamSynchronize
 //        BM_roundtrip_event_query_spin    cudaEventRecord + spin on cudaEventQuery
 //        BM_roundtrip_host_func           cudaLaunchHostFunc sets an atomic, host spins on it
@@ -41,6 +42,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -122,71 +124,67 @@ double percentile(const std::vector<double>& sorted, double p) {
     return sorted[rank - 1];
 }
 
-/// Feeds the collected per-round-trip times (seconds) to Google Benchmark as manual iteration
-/// times, publishes the percentiles as counters and keeps the p50 for the summary.
-void publish_latency(benchmark::State& state, const char* key, const std::vector<double>& samples) {
-    std::size_t i = 0;
-    for (auto _ : state) {
-        state.SetIterationTime(samples[i % samples.size()]);
-        ++i;
-    }
-    std::vector<double> sorted = samples;
-    std::sort(sorted.begin(), sorted.end());
-    const double p50 = percentile(sorted, 0.50) * 1e6;
-    state.counters["p50_us"] = p50;
-    state.counters["p90_us"] = percentile(sorted, 0.90) * 1e6;
-    state.counters["p99_us"] = percentile(sorted, 0.99) * 1e6;
-    state.counters["min_us"] = sorted.front() * 1e6;
-    state.counters["max_us"] = sorted.back() * 1e6;
-    g_p50_us[key] = p50;
-}
-
-std::size_t sample_count(const benchmark::State& state) {
-    return static_cast<std::size_t>(state.max_iterations);
-}
-
 // ---- 1. round-trip latency -----------------------------------------------------------------------
+//
+// The six variants are measured together, the first time any of their benchmarks runs, in
+// kLatencyRounds rounds of kLatencyBlock round trips per variant; the order of the variants
+// rotates from round to round, and each benchmark then publishes its own pooled samples. Measured
+// one benchmark after the other, the raw baselines' p50 drifted by more than 1 us between
+// neighbouring benchmarks of one process on an H200 (7.9 to 9.4 us), enough to move a ratio by
+// 15%; side by side, every variant sees the same drift.
 
-void roundtrip_stream_sync(benchmark::State& state) {
-    cudawait::stream stream;
-    const cudaStream_t s = stream.get();
-    const std::size_t n = sample_count(state);
-    std::vector<double> samples;
-    samples.reserve(n);
-    for (std::size_t i = 0; i < kWarmupSamples + n; ++i) {
-        const auto t0 = steady::now();
-        launch_empty(s);
-        check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-        const auto t1 = steady::now();
-        if (i >= kWarmupSamples) {
-            samples.push_back(seconds(t1 - t0));
-        }
-    }
-    publish_latency(state, "stream_sync", samples);
-}
+constexpr std::size_t kLatencyRounds = 20;                       ///< rounds of every variant
+constexpr std::size_t kLatencyBlock = kSamples / kLatencyRounds; ///< samples per variant per round
+constexpr std::size_t kBlockWarmup = 50; ///< round trips discarded at the start of every block
 
-void roundtrip_event_query_spin(benchmark::State& state) {
+/// What the latency variants share: one stream, one event, one flag, one scheduler per policy.
+/// The flag is declared first and the schedulers last: the stream's destructor synchronises, so
+/// the last host function has returned before the flag goes, and each scheduler drains before
+/// the stream goes.
+struct latency_context {
+    std::atomic<bool> flag{false};
     cudawait::stream stream;
     cudawait::event done; // cudaEventDisableTiming, like the scheduler's recycled events
-    const cudaStream_t s = stream.get();
-    const cudaEvent_t ev = done.get();
-    const std::size_t n = sample_count(state);
-    std::vector<double> samples;
-    samples.reserve(n);
-    for (std::size_t i = 0; i < kWarmupSamples + n; ++i) {
+    cudawait::scheduler spinning{cudawait::poll_policy::spinning()};
+    cudawait::scheduler balanced{cudawait::poll_policy::balanced()};
+    cudawait::scheduler host_func_sched{}; // the default policy, as a user would have it
+};
+
+/// Appends the round trips after the first `warmup` of `warmup + n` to `out`.
+template <class RoundTrip>
+void sample_round_trips(std::size_t warmup, std::size_t n, std::vector<double>& out,
+                        RoundTrip&& round_trip) {
+    for (std::size_t i = 0; i < warmup + n; ++i) {
         const auto t0 = steady::now();
+        round_trip();
+        const auto t1 = steady::now();
+        if (i >= warmup) {
+            out.push_back(seconds(t1 - t0));
+        }
+    }
+}
+
+void block_stream_sync(latency_context& c, std::size_t warmup, std::size_t n,
+                       std::vector<double>& out) {
+    const cudaStream_t s = c.stream.get();
+    sample_round_trips(warmup, n, out, [&] {
+        launch_empty(s);
+        check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    });
+}
+
+void block_event_query_spin(latency_context& c, std::size_t warmup, std::size_t n,
+                            std::vector<double>& out) {
+    const cudaStream_t s = c.stream.get();
+    const cudaEvent_t ev = c.done.get();
+    sample_round_trips(warmup, n, out, [&] {
         launch_empty(s);
         check(cudaEventRecord(ev, s), "cudaEventRecord");
         cudaError_t st = cudaSuccess;
         while ((st = cudaEventQuery(ev)) == cudaErrorNotReady) {
         }
         check(st, "cudaEventQuery");
-        const auto t1 = steady::now();
-        if (i >= kWarmupSamples) {
-            samples.push_back(seconds(t1 - t0));
-        }
-    }
-    publish_latency(state, "event_query_spin", samples);
+    });
 }
 
 /// Host function enqueued behind the kernel; runs on a CUDA-internal thread.
@@ -194,29 +192,18 @@ void CUDART_CB set_flag(void* flag) {
     static_cast<std::atomic<bool>*>(flag)->store(true, std::memory_order_release);
 }
 
-void roundtrip_host_func(benchmark::State& state) {
-    // Declared before the stream: the stream's destructor synchronises, so the last host
-    // function has returned before the flag goes away.
-    std::atomic<bool> flag{false};
-    cudawait::stream stream;
-    const cudaStream_t s = stream.get();
-    const std::size_t n = sample_count(state);
-    std::vector<double> samples;
-    samples.reserve(n);
-    for (std::size_t i = 0; i < kWarmupSamples + n; ++i) {
-        flag.store(false, std::memory_order_relaxed);
-        const auto t0 = steady::now();
+void block_host_func(latency_context& c, std::size_t warmup, std::size_t n,
+                     std::vector<double>& out) {
+    const cudaStream_t s = c.stream.get();
+    sample_round_trips(warmup, n, out, [&] {
+        c.flag.store(false, std::memory_order_relaxed);
         launch_empty(s);
-        check(cudaLaunchHostFunc(s, set_flag, &flag), "cudaLaunchHostFunc");
-        while (!flag.load(std::memory_order_acquire)) {
+        check(cudaLaunchHostFunc(s, set_flag, &c.flag), "cudaLaunchHostFunc");
+        while (!c.flag.load(std::memory_order_acquire)) {
         }
-        const auto t1 = steady::now();
-        if (i >= kWarmupSamples) {
-            samples.push_back(seconds(t1 - t0));
-        }
-    }
+    });
+    // The last host function has returned before the next block touches the flag.
     check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    publish_latency(state, "host_func", samples);
 }
 
 /// Host-function-based resumption, the design the scheduler's polling replaces: the awaiting
@@ -253,23 +240,16 @@ cudawait::task<void> host_func_resume_loop(cudawait::scheduler* sched, cudaStrea
     }
 }
 
-void roundtrip_host_func_resume(benchmark::State& state) {
-    cudawait::stream stream;
-    const std::size_t n = sample_count(state);
-    std::vector<double> samples;
-    samples.reserve(n);
-    {
-        cudawait::scheduler sched;
-        cudawait::sync_wait(sched,
-                            host_func_resume_loop(&sched, stream.get(), kWarmupSamples, n, &samples));
-    }
-    stream.sync();
-    publish_latency(state, "host_func_resume", samples);
+void block_host_func_resume(latency_context& c, std::size_t warmup, std::size_t n,
+                            std::vector<double>& out) {
+    cudawait::sync_wait(c.host_func_sched, host_func_resume_loop(&c.host_func_sched,
+                                                                 c.stream.get(), warmup, n, &out));
+    c.stream.sync();
 }
 
-/// The coroutine side of BM_roundtrip_co_await: `warmup + n` round trips, timed from just
+/// The coroutine side of the co_await variants: `warmup + n` round trips, timed from just
 /// before the launch to just after the coroutine resumed. Runs inside one sync_wait, so the
-/// scheduler's construction and first-use costs are outside every sample.
+/// scheduler's first-use costs are outside every sample.
 cudawait::task<void> roundtrip_loop(cudawait::stream_ref s, std::size_t warmup, std::size_t n,
                                     std::vector<double>* samples) {
     for (std::size_t i = 0; i < warmup + n; ++i) {
@@ -283,39 +263,100 @@ cudawait::task<void> roundtrip_loop(cudawait::stream_ref s, std::size_t warmup, 
     }
 }
 
-void roundtrip_co_await(benchmark::State& state, const cudawait::poll_policy& policy,
-                        const char* key) {
-    cudawait::stream stream; // outlives the scheduler, which drains before it is destroyed
-    const std::size_t n = sample_count(state);
-    std::vector<double> samples;
-    samples.reserve(n);
-    {
-        cudawait::scheduler sched(policy);
-        cudawait::sync_wait(sched, roundtrip_loop(stream, kWarmupSamples, n, &samples));
+void block_co_await(latency_context& c, std::size_t warmup, std::size_t n,
+                    std::vector<double>& out) {
+    cudawait::sync_wait(c.spinning, roundtrip_loop(c.stream, warmup, n, &out));
+}
+
+void block_co_await_balanced(latency_context& c, std::size_t warmup, std::size_t n,
+                             std::vector<double>& out) {
+    cudawait::sync_wait(c.balanced, roundtrip_loop(c.stream, warmup, n, &out));
+}
+
+using latency_block = void (*)(latency_context&, std::size_t, std::size_t, std::vector<double>&);
+
+/// The variants, in the order of the first round.
+constexpr std::pair<const char*, latency_block> kLatencyVariants[] = {
+    {"stream_sync", &block_stream_sync},
+    {"event_query_spin", &block_event_query_spin},
+    {"host_func", &block_host_func},
+    {"host_func_resume", &block_host_func_resume},
+    {"co_await", &block_co_await},
+    {"co_await_balanced", &block_co_await_balanced},
+};
+constexpr std::size_t kLatencyVariantCount = std::size(kLatencyVariants);
+
+struct latency_runs {
+    std::map<std::string, std::vector<double>> samples;  ///< variant -> round trips (seconds)
+    std::map<std::string, std::vector<double>> round_p50; ///< variant -> p50 of each round
+};
+
+latency_runs measure_latency() {
+    latency_context c;
+    latency_runs runs;
+    for (const auto& [name, block] : kLatencyVariants) {
+        std::vector<double> discarded;
+        block(c, kWarmupSamples, 0, discarded);
+        runs.samples[name].reserve(kLatencyRounds * kLatencyBlock);
     }
-    publish_latency(state, key, samples);
+    std::vector<double> block_samples;
+    for (std::size_t round = 0; round < kLatencyRounds; ++round) {
+        for (std::size_t j = 0; j < kLatencyVariantCount; ++j) {
+            const auto& [name, block] = kLatencyVariants[(round + j) % kLatencyVariantCount];
+            block_samples.clear();
+            block(c, kBlockWarmup, kLatencyBlock, block_samples);
+            std::vector<double>& all = runs.samples[name];
+            all.insert(all.end(), block_samples.begin(), block_samples.end());
+            runs.round_p50[name].push_back(median(block_samples));
+        }
+    }
+    return runs;
+}
+
+/// Measured once per process, by whichever latency benchmark runs first. A failed measurement
+/// is not cached: the next benchmark tries again and reports its own error.
+const latency_runs& latency() {
+    static const latency_runs runs = measure_latency();
+    return runs;
+}
+
+/// Feeds the pooled per-round-trip times (seconds) of `key` to Google Benchmark as manual
+/// iteration times, publishes the percentiles as counters and keeps the p50 for the summary.
+void publish_latency(benchmark::State& state, const char* key) {
+    const std::vector<double>& samples = latency().samples.at(key);
+    std::size_t i = 0;
+    for (auto _ : state) {
+        state.SetIterationTime(samples[i % samples.size()]);
+        ++i;
+    }
+    std::vector<double> sorted = samples;
+    std::sort(sorted.begin(), sorted.end());
+    const double p50 = percentile(sorted, 0.50) * 1e6;
+    state.counters["p50_us"] = p50;
+    state.counters["p90_us"] = percentile(sorted, 0.90) * 1e6;
+    state.counters["p99_us"] = percentile(sorted, 0.99) * 1e6;
+    state.counters["min_us"] = sorted.front() * 1e6;
+    state.counters["max_us"] = sorted.back() * 1e6;
+    g_p50_us[key] = p50;
 }
 
 void BM_roundtrip_stream_sync(benchmark::State& state) {
-    guarded(state, [&] { roundtrip_stream_sync(state); });
+    guarded(state, [&] { publish_latency(state, "stream_sync"); });
 }
 void BM_roundtrip_event_query_spin(benchmark::State& state) {
-    guarded(state, [&] { roundtrip_event_query_spin(state); });
+    guarded(state, [&] { publish_latency(state, "event_query_spin"); });
 }
 void BM_roundtrip_host_func(benchmark::State& state) {
-    guarded(state, [&] { roundtrip_host_func(state); });
+    guarded(state, [&] { publish_latency(state, "host_func"); });
 }
 void BM_roundtrip_host_func_resume(benchmark::State& state) {
-    guarded(state, [&] { roundtrip_host_func_resume(state); });
+    guarded(state, [&] { publish_latency(state, "host_func_resume"); });
 }
 void BM_roundtrip_co_await(benchmark::State& state) {
-    guarded(state,
-            [&] { roundtrip_co_await(state, cudawait::poll_policy::spinning(), "co_await"); });
+    guarded(state, [&] { publish_latency(state, "co_await"); });
 }
 void BM_roundtrip_co_await_balanced(benchmark::State& state) {
-    guarded(state, [&] {
-        roundtrip_co_await(state, cudawait::poll_policy::balanced(), "co_await_balanced");
-    });
+    guarded(state, [&] { publish_latency(state, "co_await_balanced"); });
 }
 
 // ---- 2. completion throughput --------------------------------------------------------------------
@@ -665,11 +706,33 @@ std::string ratio(const std::map<std::string, double>& m, const char* a, const c
     return buf;
 }
 
+/// "   (rounds: median M, min .. max)" of the per-round ratios of the p50s of `a` and `b`, when
+/// both were measured; empty otherwise.
+std::string round_spread(const char* a, const char* b) {
+    if (!g_p50_us.contains(a) || !g_p50_us.contains(b)) {
+        return "";
+    }
+    const std::vector<double>& pa = latency().round_p50.at(a);
+    const std::vector<double>& pb = latency().round_p50.at(b);
+    std::vector<double> r;
+    for (std::size_t i = 0; i < pa.size() && i < pb.size(); ++i) {
+        r.push_back(pa[i] / pb[i]);
+    }
+    if (r.empty()) {
+        return "";
+    }
+    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "   (rounds: median %.2f, %.2f .. %.2f)", median(r), *lo, *hi);
+    return buf;
+}
+
 void print_summary() {
     std::printf("\n==== await_bench summary ====\n");
     if (!g_p50_us.empty()) {
-        std::printf("\nRound trip, empty kernel launch -> waiter resumed (p50 of %lld samples)\n",
-                    static_cast<long long>(kSamples));
+        std::printf("\nRound trip, empty kernel launch -> waiter resumed (p50 of %zu samples per "
+                    "variant, in %zu interleaved rounds)\n",
+                    kLatencyRounds * kLatencyBlock, kLatencyRounds);
         for (const char* k :
              {"stream_sync", "event_query_spin", "host_func", "host_func_resume", "co_await",
               "co_await_balanced"}) {
@@ -677,16 +740,15 @@ void print_summary() {
                 std::printf("  %-20s %9.2f us\n", k, it->second);
             }
         }
-        std::printf("  co_await / event_query_spin           %s\n",
-                    ratio(g_p50_us, "co_await", "event_query_spin").c_str());
-        std::printf("  co_await_balanced / event_query_spin  %s\n",
-                    ratio(g_p50_us, "co_await_balanced", "event_query_spin").c_str());
-        std::printf("  host_func / co_await                  %s\n",
-                    ratio(g_p50_us, "host_func", "co_await").c_str());
-        std::printf("  host_func_resume / co_await           %s\n",
-                    ratio(g_p50_us, "host_func_resume", "co_await").c_str());
-        std::printf("  host_func_resume / co_await_balanced  %s\n",
-                    ratio(g_p50_us, "host_func_resume", "co_await_balanced").c_str());
+        for (auto [a, b] : {std::pair{"co_await", "event_query_spin"},
+                            std::pair{"co_await_balanced", "event_query_spin"},
+                            std::pair{"host_func", "co_await"},
+                            std::pair{"host_func_resume", "co_await"},
+                            std::pair{"host_func_resume", "co_await_balanced"}}) {
+            const std::string label = std::string(a) + " / " + b;
+            std::printf("  %-38s %s%s\n", label.c_str(), ratio(g_p50_us, a, b).c_str(),
+                        round_spread(a, b).c_str());
+        }
     }
     if (!g_rate.empty()) {
         std::printf("\nCompletions, %zu waiters x %d awaits over %zu streams, one thread "
