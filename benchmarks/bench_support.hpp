@@ -98,6 +98,18 @@ inline void print_cell(std::optional<double> v, int width, int decimals) {
     }
 }
 
+/// Creates device 0's context and its stream-ordered memory pool (one small allocation through
+/// it), so no benchmark pays for either.
+/// @throws cuda_error
+inline void create_context_and_async_pool() {
+    cudawait::check(cudaSetDevice(0), "cudaSetDevice");
+    cudawait::stream s;
+    void* p = nullptr;
+    cudawait::check(cudaMallocAsync(&p, std::size_t{1} << 20, s.get()), "cudaMallocAsync");
+    cudawait::check(cudaFreeAsync(p, s.get()), "cudaFreeAsync");
+    s.sync();
+}
+
 /// Names device 0, the driver, the runtime and the library in the benchmark's context.
 /// @throws cuda_error
 inline cudaDeviceProp add_device_context() {

@@ -620,12 +620,7 @@ void BM_pool_waste_churn(benchmark::State& state) { BM_pool_waste(state, false);
 
 /// Creates the context and the stream-ordered memory pool, so no benchmark pays for them.
 void warm_up_device() {
-    check(cudaSetDevice(0), "cudaSetDevice");
-    cudawait::stream s;
-    void* p = nullptr;
-    check(cudaMallocAsync(&p, 1_MiB, s.get()), "cudaMallocAsync");
-    check(cudaFreeAsync(p, s.get()), "cudaFreeAsync");
-    check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+    create_context_and_async_pool();
 
     add_device_context();
     const long pages = ::sysconf(_SC_PHYS_PAGES);

@@ -961,12 +961,7 @@ void BM_stats_timing(benchmark::State& state, work wk) {
 
 /// Creates the context and the stream-ordered memory pool, so no benchmark pays for them.
 void warm_up_device() {
-    check(cudaSetDevice(0), "cudaSetDevice");
-    cudawait::stream s;
-    void* p = nullptr;
-    check(cudaMallocAsync(&p, 1_MiB, s.get()), "cudaMallocAsync");
-    check(cudaFreeAsync(p, s.get()), "cudaFreeAsync");
-    check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+    create_context_and_async_pool();
 
     g_sm_count = add_device_context().multiProcessorCount;
 }
