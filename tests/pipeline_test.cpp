@@ -4,20 +4,24 @@
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/when_all.hpp>
 
-#include "gpu_fixture.hpp"
-#include "no_device.hpp"
-#include "test_kernels.hpp"
-
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
+#include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -92,6 +96,13 @@ TEST(pipeline, bad_options_are_usage_errors) {
     o.depth = 2;
     EXPECT_THROW(pipe_t(o, {}), usage_error) << "no stages";
     EXPECT_THROW(pipe_t(o, {pipe_t::stage{}}), usage_error) << "an empty stage";
+}
+
+TEST(pipeline, a_failed_batch_error_counts_the_chunks_it_lists) {
+    pipeline_error e = cudawait::detail::batch_failed({0, 1, 3, 4, 6, 7, 8, 9, 10, 11}, {2, 5});
+    EXPECT_STREQ(e.what(), "pipeline: 2 of 12 chunks failed");
+    EXPECT_EQ(e.failed(), (std::vector<std::size_t>{2, 5}));
+    EXPECT_EQ(e.completed().size(), 10u);
 }
 
 TEST(pipeline, without_a_device_construction_is_a_cuda_error) {
@@ -242,9 +253,10 @@ TEST_F(pipeline_gpu, output_size_can_differ_from_input_size) {
     o.chunk_elements = chunk;
     o.output_elements = 1;
     pipe_t p(o, {[](std::span<u32> in_, std::span<u32> out, cudawait::stream_ref s) {
-        cudawait::check(cudawait::testing::launch_sum(in_.data(), in_.size(), out.data(), s.get()),
-                        "launch_sum");
-    }});
+                 cudawait::check(
+                     cudawait::testing::launch_sum(in_.data(), in_.size(), out.data(), s.get()),
+                     "launch_sum");
+             }});
     EXPECT_EQ(p.output_size(n), 6u);
     std::vector<u32> out(6, 0);
     cudawait::scheduler sched;
@@ -332,8 +344,8 @@ TEST_F(pipeline_gpu, streaming_delivers_in_order_with_back_pressure) {
         pipe_t p(o, {transform_stage(100'000)});
         stream_log log;
         cudawait::scheduler sched;
-        cudawait::sync_wait(sched, cudawait::when_all(producer(p, chunks, log),
-                                                      consumer(p, chunks, log)));
+        cudawait::sync_wait(sched,
+                            cudawait::when_all(producer(p, chunks, log), consumer(p, chunks, log)));
         EXPECT_EQ(log.consumed, chunks.size()) << "graph " << graph;
         EXPECT_EQ(log.bad, 0u);
         EXPECT_EQ(log.out_of_order, 0u);
@@ -344,20 +356,21 @@ TEST_F(pipeline_gpu, streaming_delivers_in_order_with_back_pressure) {
 // ---- degradation ------------------------------------------------------------------------------
 
 /// A stage that fails to launch (a non-sticky error) on the calls listed in `fail_calls`.
-pipe_t::stage flaky_stage(std::shared_ptr<std::vector<int>> fail_calls, std::shared_ptr<int> calls) {
+pipe_t::stage flaky_stage(std::shared_ptr<std::vector<int>> fail_calls,
+                          std::shared_ptr<int> calls) {
     return [fail_calls, calls](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
         int call = (*calls)++;
         if (std::find(fail_calls->begin(), fail_calls->end(), call) != fail_calls->end()) {
             cudawait::check(cudawait::testing::launch_bad_config(s.get()), "launch_bad_config");
         }
-        cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(), salt,
-                                                            0, s.get()),
-                        "launch_transform");
+        cudawait::check(
+            cudawait::testing::launch_transform(in.data(), out.data(), in.size(), salt, 0, s.get()),
+            "launch_transform");
     };
 }
 
-cudawait::task<std::vector<std::pair<bool, bool>>> stream_with_failures(
-    pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
+cudawait::task<std::vector<std::pair<bool, bool>>>
+stream_with_failures(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
     // Submit everything first (three slots: consume as we go), then collect: for each chunk,
     // whether its output was right and whether the fallback made it.
     std::vector<std::pair<bool, bool>> seen;
@@ -374,9 +387,9 @@ cudawait::task<std::vector<std::pair<bool, bool>>> stream_with_failures(
             const auto& in = chunks[r->chunk()];
             std::vector<u32> want(in.size());
             cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
-            seen.emplace_back(std::equal(want.begin(), want.end(), r->data().begin(),
-                                         r->data().end()),
-                              r->by_fallback());
+            seen.emplace_back(
+                std::equal(want.begin(), want.end(), r->data().begin(), r->data().end()),
+                r->by_fallback());
         } catch (const pipeline_error& e) {
             seen.emplace_back(false, false);
             if (e.failed() != std::vector<std::size_t>{seen.size() - 1}) {
@@ -556,9 +569,9 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     const u32* flag = release_flag.device_data();
     pipe_t p(o, {[calls, flag](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
                  if ((*calls)++ == 1) { // chunk 1 waits for the host: "hangs"
-                     cudawait::check(cudawait::testing::launch_wait_flag(flag, 20'000'000'000ull,
-                                                                         s.get()),
-                                     "launch_wait_flag");
+                     cudawait::check(
+                         cudawait::testing::launch_wait_flag(flag, 20'000'000'000ull, s.get()),
+                         "launch_wait_flag");
                  }
                  cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
                                                                      salt, 0, s.get()),
@@ -627,8 +640,8 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
         }
         if (!st.gpu_abandoned || st.fallback_chunks == 0 ||
             st.gpu_chunks + st.fallback_chunks != 8 || st.failed_chunks != 0) {
-            std::fprintf(stderr, "FAILED: counts gpu %zu fallback %zu failed %zu\n",
-                         st.gpu_chunks, st.fallback_chunks, st.failed_chunks);
+            std::fprintf(stderr, "FAILED: counts gpu %zu fallback %zu failed %zu\n", st.gpu_chunks,
+                         st.fallback_chunks, st.failed_chunks);
             ++failures;
         }
         for (int c = 0; c < 8; ++c) {
@@ -695,6 +708,42 @@ TEST_F(pipeline_gpu, timing_reports_stage_times_bandwidth_and_alerts) {
             EXPECT_GE(alerts, 4u) << "4 windows of 4 chunks, both directions below 150% of peak";
         }
         EXPECT_EQ(st.alerts, alerts);
+    }
+}
+
+// ---- the error of a failed batch --------------------------------------------------------------
+
+TEST_F(pipeline_gpu, a_failed_chunk_count_in_the_batch_error_matches_its_lists) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 11;
+    auto in = random_words(n, 30);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.max_retries = 0; // each failed launch is final: chunks 1, 4, 5 and 9 fail
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    auto fails = std::make_shared<std::vector<int>>(std::vector<int>{1, 4, 5, 9});
+    pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))});
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    try {
+        cudawait::sync_wait(sched, p.run(in, out));
+        ADD_FAILURE() << "no exception";
+    } catch (const pipeline_error& e) {
+        EXPECT_EQ(e.failed(), (std::vector<std::size_t>{1, 4, 5, 9}));
+        EXPECT_EQ(e.completed(), (std::vector<std::size_t>{0, 2, 3, 6, 7, 8, 10}));
+        std::size_t failed = 0;
+        std::size_t total = 0;
+        ASSERT_EQ(std::sscanf(e.what(), "pipeline: %zu of %zu chunks failed", &failed, &total), 2)
+            << e.what();
+        EXPECT_EQ(failed, e.failed().size()) << e.what();
+        EXPECT_EQ(total, e.failed().size() + e.completed().size()) << e.what();
+    }
+    auto want = expected(in, chunk);
+    for (std::size_t c = 0; c < 11; ++c) {
+        bool failed = c == 1 || c == 4 || c == 5 || c == 9;
+        for (std::size_t i = c * chunk; i < (c + 1) * chunk; ++i) {
+            ASSERT_EQ(out[i], failed ? 0xdeadbeefu : want[i]) << "chunk " << c;
+        }
     }
 }
 

@@ -172,6 +172,17 @@ private:
     std::vector<std::size_t> m_failed;
 };
 
+namespace detail {
+/// The error of a batch in which chunks failed. The message is written before the lists move
+/// into the error (in one call's arguments the moves may come first).
+inline pipeline_error batch_failed(std::vector<std::size_t> completed,
+                                   std::vector<std::size_t> failed) {
+    std::string what = "pipeline: " + std::to_string(failed.size()) + " of " +
+                       std::to_string(completed.size() + failed.size()) + " chunks failed";
+    return pipeline_error(what, std::move(completed), std::move(failed));
+}
+} // namespace detail
+
 /// The link's one-way peak in GB/s for `device`: the better of H2D and D2H for 64 MiB pinned
 /// copies, measured on first use (a few milliseconds) and cached for the process.
 /// @throws cuda_error
@@ -1080,9 +1091,7 @@ private:
             for (std::size_t c = 0; c < n; ++c) {
                 (b.state[c] == chunk_state::failed ? failed : completed).push_back(c);
             }
-            throw pipeline_error("pipeline: " + std::to_string(failed.size()) + " of " +
-                                     std::to_string(n) + " chunks failed",
-                                 std::move(completed), std::move(failed));
+            throw detail::batch_failed(std::move(completed), std::move(failed));
         }
     }
 
