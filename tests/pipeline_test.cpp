@@ -747,4 +747,119 @@ TEST_F(pipeline_gpu, a_failed_chunk_count_in_the_batch_error_matches_its_lists) 
     }
 }
 
+// ---- one mode at a time -----------------------------------------------------------------------
+
+cudawait::task<void> submit_all(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
+    for (const auto& c : chunks) {
+        auto slot = co_await p.acquire();
+        std::copy(c.begin(), c.end(), slot.data().begin());
+        p.submit(std::move(slot), c.size());
+    }
+    p.close();
+}
+
+cudawait::task<void> take_all(pipe_t& p, std::vector<std::vector<u32>>& got) {
+    while (auto r = co_await p.next()) {
+        if (r->chunk() != got.size()) {
+            throw std::runtime_error("chunk " + std::to_string(r->chunk()) + " came as number " +
+                                     std::to_string(got.size()));
+        }
+        got.emplace_back(r->data().begin(), r->data().end());
+    }
+}
+
+/// Streams `chunks` through `p` (producer and consumer on one scheduler): the outputs in the
+/// order next() gave them.
+std::vector<std::vector<u32>> stream_all(cudawait::scheduler& sched, pipe_t& p,
+                                         const std::vector<std::vector<u32>>& chunks) {
+    std::vector<std::vector<u32>> got;
+    cudawait::sync_wait(sched, cudawait::when_all(submit_all(p, chunks), take_all(p, got)));
+    return got;
+}
+
+std::vector<u32> transformed(const std::vector<u32>& in) {
+    std::vector<u32> out(in.size());
+    cudawait::testing::transform_on_host(in.data(), out.data(), in.size(), salt);
+    return out;
+}
+
+/// Whether run() refuses now with usage_error.
+cudawait::task<bool> run_refused(pipe_t& p, std::span<const u32> in, std::span<u32> out) {
+    try {
+        co_await p.run(in, out);
+    } catch (const usage_error&) {
+        co_return true;
+    }
+    co_return false;
+}
+
+/// One streamed chunk, with run() tried at each point of the session, then acquire() after
+/// close(), then the end: whether each was refused (the end: whether it came).
+cudawait::task<std::vector<bool>> refusals_through_a_session(pipe_t& p, const std::vector<u32>& in,
+                                                             std::vector<u32>& result) {
+    std::vector<u32> scratch(in.size(), 0);
+    std::vector<bool> refused;
+    auto slot = co_await p.acquire();
+    refused.push_back(co_await run_refused(p, in, scratch)); // a slot acquired
+    std::copy(in.begin(), in.end(), slot.data().begin());
+    p.submit(std::move(slot), in.size());
+    refused.push_back(co_await run_refused(p, in, scratch)); // a chunk not yet taken
+    {
+        auto r = co_await p.next();
+        result.assign(r->data().begin(), r->data().end());
+        refused.push_back(co_await run_refused(p, in, scratch)); // a result held
+    }
+    p.close();
+    refused.push_back(co_await run_refused(p, in, scratch)); // closed, the end not yet taken
+    bool acquire_refused = false;
+    try {
+        (void)co_await p.acquire();
+    } catch (const usage_error&) {
+        acquire_refused = true;
+    }
+    refused.push_back(acquire_refused);
+    refused.push_back(!(co_await p.next()).has_value()); // the end
+    co_return refused;
+}
+
+TEST_F(pipeline_gpu, after_a_drained_stream_batches_and_new_streams_may_follow) {
+    const std::size_t chunk = 30'000;
+    const std::size_t n = chunk * 4 + 99;
+    auto in = random_words(n, 35);
+    auto want = expected(in, chunk);
+    auto one = random_words(chunk - 5, 36);
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 7; ++i) {
+        chunks.push_back(random_words(chunk - 11 * i, 400 + i));
+    }
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.graph = graph;
+        pipe_t p(o, {transform_stage()});
+        cudawait::scheduler sched;
+        std::vector<u32> result;
+        auto refused = cudawait::sync_wait(sched, refusals_through_a_session(p, one, result));
+        EXPECT_EQ(refused, std::vector<bool>(6, true))
+            << "run() refused while the session was open, acquire() after close(), then the end";
+        EXPECT_EQ(result, transformed(one));
+        // Idle: a batch.
+        std::vector<u32> out(n, 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(in, out));
+        EXPECT_EQ(first_mismatch(out, want), n);
+        // A new session, numbered from 0, then another batch.
+        auto got = stream_all(sched, p, chunks);
+        ASSERT_EQ(got.size(), chunks.size());
+        for (std::size_t i = 0; i < chunks.size(); ++i) {
+            EXPECT_EQ(got[i], transformed(chunks[i])) << "chunk " << i;
+        }
+        EXPECT_EQ(p.stats().chunks, chunks.size()) << "the session's own statistics";
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(in, out));
+        EXPECT_EQ(first_mismatch(out, want), n);
+    }
+}
+
 } // namespace

@@ -20,6 +20,13 @@
 // slot is reused only after its previous chunk's last use of each buffer, which the GPU itself
 // waits for (cudaStreamWaitEvent). The host waits only by co_await.
 //
+// One mode at a time. A streaming session begins with the first acquire() and stays open while
+// slots are acquired or results held, while chunks are submitted and not yet taken, and after
+// close() until next() has returned the end; meanwhile run() throws usage_error. Once next() has
+// returned the end after close(), and every result is destroyed, the pipeline is idle again:
+// batch runs, or a new session (acquire() after the end), may follow. acquire() during a batch
+// throws usage_error, and so do acquire() and submit() after close() until the session ended.
+//
 // Pinned host ranges are copied directly. Pageable ones are staged through the slot's pinned
 // buffers (depth x (input + output chunk) bytes from the pool), the host memcpy on several
 // threads. Graph mode records each slot's H2D -> stages -> D2H once as a CUDA graph and replays
@@ -425,15 +432,19 @@ public:
     };
 
     /// Waits for a free slot (every slot busy, or the submission queue full: back pressure).
-    /// @throws usage_error after close() or during a batch run
+    /// On an idle pipeline it begins a streaming session (stats() and chunk numbers start anew).
+    /// @throws usage_error after close() until next() returned the end, or during a batch run
     [[nodiscard]] task<input_slot> acquire() {
         scheduler& sched = *co_await this_scheduler_ptr();
         for (;;) {
-            if (m_closed) {
-                throw usage_error("pipeline::acquire: the pipeline is closed");
-            }
             if (m_batch_running) {
                 throw usage_error("pipeline::acquire: a batch run is in progress");
+            }
+            if (!m_session_open) {
+                begin_session();
+            } else if (m_closed) {
+                throw usage_error("pipeline::acquire: the pipeline is closed; a new streaming "
+                                  "session may begin once next() has returned the end");
             }
             if (!m_free_slots.empty() && m_submitted.size() < m_options.queue_capacity) {
                 break;
@@ -442,19 +453,27 @@ public:
         }
         std::size_t i = m_free_slots.front();
         m_free_slots.pop_front();
-        m_streaming = true;
-        m_slots[i]->ensure_host_buffers();
+        try {
+            m_slots[i]->ensure_host_buffers();
+        } catch (...) {
+            give_back(i);
+            throw;
+        }
         co_return input_slot(this, i);
     }
 
     /// Starts the slot's chunk of `count` elements (at most chunk_elements) on the GPU.
-    /// @throws usage_error for an empty slot or a bad count; cuda_error
+    /// @throws usage_error for an empty slot, a bad count, or after close() (the slot is then
+    ///         still the caller's); cuda_error
     void submit(input_slot&& s, std::size_t count) {
         if (s.m_owner != this) {
             throw usage_error("pipeline::submit: the slot is empty or from another pipeline");
         }
         if (count == 0 || count > m_options.chunk_elements) {
             throw usage_error("pipeline::submit: count must be in 1..chunk_elements");
+        }
+        if (m_closed || !m_session_open) {
+            throw usage_error("pipeline::submit: the slot's streaming session is closed");
         }
         std::size_t i = s.m_index;
         s.m_owner = nullptr;
@@ -472,15 +491,21 @@ public:
         m_result_ready.notify_all();
     }
 
-    /// The next chunk's output, in submission order; std::nullopt once closed and drained.
+    /// The next chunk's output, in submission order; std::nullopt once closed and drained,
+    /// which ends the streaming session (a later call waits for the next session's chunks).
     /// @throws pipeline_error when the chunk failed and no fallback took it
     [[nodiscard]] task<std::optional<result>> next() {
         scheduler& sched = *co_await this_scheduler_ptr();
+        const std::size_t session = m_sessions_ended;
         while (m_submitted.empty()) {
             if (m_closed) {
+                end_session();
                 co_return std::nullopt;
             }
             co_await m_result_ready.wait(sched);
+            if (m_sessions_ended != session) {
+                co_return std::nullopt; // another consumer took the end of this one's session
+            }
         }
         flight f = m_submitted.front();
         m_submitted.pop_front();
@@ -525,7 +550,8 @@ public:
         co_return result(this, f.slot, f.chunk, f.output_count, true);
     }
 
-    /// No more submissions; next() returns what is queued, then std::nullopt.
+    /// No more submissions; next() returns what is queued, then std::nullopt, which ends the
+    /// streaming session.
     void close() {
         m_closed = true;
         m_result_ready.notify_all();
@@ -680,6 +706,19 @@ private:
     void give_back(std::size_t i) {
         m_free_slots.push_back(i);
         m_slot_freed.notify_all();
+    }
+
+    void begin_session() {
+        m_session_open = true;
+        m_closed = false;
+        m_stream_seq = 0;
+        m_stats = {};
+        m_window.clear();
+    }
+    void end_session() {
+        m_session_open = false;
+        m_closed = false;
+        ++m_sessions_ended;
     }
 
     flight make_flight(std::size_t chunk, std::size_t offset, std::size_t count, std::size_t s) {
@@ -1019,8 +1058,10 @@ private:
 
     task<void> run_batch(std::span<const In> in, std::span<Out> out, bool pinned_in,
                          bool pinned_out) {
-        if (m_streaming) {
-            throw usage_error("pipeline::run: the pipeline is in streaming use");
+        if (m_session_open || !m_submitted.empty() || m_free_slots.size() != m_slots.size()) {
+            throw usage_error("pipeline::run: a streaming session is open (slots or results held, "
+                              "chunks not yet taken, or next() has not returned the end after "
+                              "close())");
         }
         if (m_batch_running) {
             throw usage_error("pipeline::run: another batch is running");
@@ -1173,8 +1214,9 @@ private:
     std::size_t m_compute_next = 0;
     std::size_t m_stream_seq = 0;
     bool m_gpu_abandoned = false;
-    bool m_closed = false;
-    bool m_streaming = false;
+    std::size_t m_sessions_ended = 0;
+    bool m_closed = false;       // close() called, and next() has not returned the end yet
+    bool m_session_open = false; // from acquire() until next() returned the end after close()
     bool m_batch_running = false;
 };
 
