@@ -747,6 +747,187 @@ TEST_F(pipeline_gpu, a_failed_chunk_count_in_the_batch_error_matches_its_lists) 
     }
 }
 
+// ---- a fallback that throws -------------------------------------------------------------------
+
+TEST_F(pipeline_gpu, a_failed_chunk_whose_fallback_throws_reaches_run_and_leaks_no_event) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8;
+    auto data = random_words(n, 31);
+    auto want = expected(data, chunk);
+    pinned_buffer<u32> in(n);
+    pinned_buffer<u32> out(n);
+    copy_into(in, data);
+    std::fill(out.begin(), out.end(), 0xdeadbeefu);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.max_retries = 0;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    // Chunk 5's launch fails; chunks 0..4 (slow kernels, pinned ranges: all started) are still in
+    // flight when the fallback throws.
+    auto calls = std::make_shared<int>(0);
+    pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                 if ((*calls)++ == 5) {
+                     cudawait::check(cudawait::testing::launch_bad_config(s.get()),
+                                     "launch_bad_config");
+                 }
+                 cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
+                                                                     salt, 2'000'000, s.get()),
+                                 "launch_transform");
+             }},
+             [](std::size_t c, std::span<const u32>, std::span<u32>) {
+                 throw std::runtime_error("fallback refused chunk " + std::to_string(c));
+             });
+    const long before = cudawait::event_pool::for_device(0).outstanding();
+    {
+        cudawait::scheduler sched;
+        try {
+            cudawait::sync_wait(sched, p.run(in.span(), out.span()));
+            ADD_FAILURE() << "no exception";
+        } catch (const pipeline_error& e) {
+            ADD_FAILURE() << "the fallback's exception was replaced: " << e.what();
+        } catch (const std::runtime_error& e) {
+            EXPECT_STREQ(e.what(), "fallback refused chunk 5");
+        }
+    }
+    EXPECT_EQ(cudawait::event_pool::for_device(0).outstanding(), before)
+        << "the events of the chunks in flight were not given back";
+    // run() passed the exception on after the chunks in flight had landed; 5.. never started.
+    for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(out[i], i < 5 * chunk ? want[i] : 0xdeadbeefu) << "element " << i;
+    }
+    // The pipeline is still usable.
+    std::fill(out.begin(), out.end(), 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in.span(), out.span()));
+    std::vector<u32> got(out.begin(), out.end());
+    EXPECT_EQ(first_mismatch(got, want), n);
+}
+
+cudawait::task<std::vector<int>>
+stream_with_a_throwing_fallback(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
+    // Per chunk: 1 output right, 0 output wrong, -1 the fallback's exception reached next().
+    std::vector<int> seen;
+    std::size_t submitted = 0;
+    while (seen.size() < chunks.size()) {
+        while (submitted < chunks.size() && submitted - seen.size() < 3) {
+            auto slot = co_await p.acquire();
+            const auto& c = chunks[submitted++];
+            std::copy(c.begin(), c.end(), slot.data().begin());
+            p.submit(std::move(slot), c.size());
+        }
+        try {
+            auto r = co_await p.next();
+            const auto& in = chunks[r->chunk()];
+            std::vector<u32> want(in.size());
+            cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
+            seen.push_back(
+                std::equal(want.begin(), want.end(), r->data().begin(), r->data().end()) ? 1 : 0);
+        } catch (const std::runtime_error& e) {
+            seen.push_back(std::string(e.what()) == "fallback refused chunk 2" ? -1 : 0);
+        }
+    }
+    p.close();
+    if (co_await p.next()) {
+        seen.push_back(0); // no end after close()
+    }
+    co_return seen;
+}
+
+TEST_F(pipeline_gpu,
+       a_failed_chunk_whose_fallback_throws_in_streaming_reaches_next_and_frees_its_slot) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 6; ++i) {
+        chunks.push_back(random_words(chunk - i, 200 + i));
+    }
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2});
+    pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
+             [](std::size_t c, std::span<const u32>, std::span<u32>) {
+                 throw std::runtime_error("fallback refused chunk " + std::to_string(c));
+             });
+    cudawait::scheduler sched;
+    auto seen = cudawait::sync_wait(sched, stream_with_a_throwing_fallback(p, chunks));
+    EXPECT_EQ(seen, (std::vector<int>{1, 1, -1, 1, 1, 1}));
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 5u);
+    EXPECT_EQ(st.failed_chunks, 1u);
+    EXPECT_EQ(st.fallback_chunks, 0u);
+    // Every slot came back (run() refuses while any is held).
+    const std::size_t n = chunk * 3 + 17;
+    auto in = random_words(n, 33);
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+}
+
+// A kernel fault loses the GPU with chunks in flight; the fallback they are handed to throws.
+[[noreturn]] void sticky_fault_throwing_fallback_child() {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8;
+    auto in = random_words(n, 34);
+    auto calls = std::make_shared<int>(0);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    int failures = 0;
+    try {
+        pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                     if ((*calls)++ == 4) {
+                         cudawait::check(cudawait::testing::launch_fault(s.get()), "launch_fault");
+                     }
+                     cudawait::check(cudawait::testing::launch_transform(
+                                         a.data(), b.data(), a.size(), salt, 0, s.get()),
+                                     "launch_transform");
+                 }},
+                 [](std::size_t, std::span<const u32>, std::span<u32>) {
+                     throw std::runtime_error("fallback refused");
+                 });
+        std::vector<u32> out(n, 0xdeadbeefu);
+        const long before = cudawait::event_pool::for_device(0).outstanding();
+        {
+            cudawait::scheduler sched;
+            try {
+                cudawait::sync_wait(sched, p.run(in, out));
+                std::fprintf(stderr, "FAILED: no exception\n");
+                ++failures;
+            } catch (const std::runtime_error& e) {
+                if (std::string(e.what()) != "fallback refused") {
+                    std::fprintf(stderr, "FAILED: %s instead of the fallback's exception\n",
+                                 e.what());
+                    ++failures;
+                }
+            }
+        }
+        const long after = cudawait::event_pool::for_device(0).outstanding();
+        if (after != before) {
+            std::fprintf(stderr, "FAILED: %ld events left out of the pool\n", after - before);
+            ++failures;
+        }
+        if (!p.stats().gpu_abandoned) {
+            std::fprintf(stderr, "FAILED: the GPU was not abandoned\n");
+            ++failures;
+        }
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "FAILED: %s\n", e.what());
+        ++failures;
+    }
+    std::fprintf(stderr,
+                 failures == 0 ? "throwing fallback handled\n" : "throwing fallback mishandled\n");
+    std::_Exit(failures == 0 ? 0 : 1);
+}
+
+TEST_F(pipeline_gpu, a_sticky_fault_whose_fallback_throws_leaks_no_event) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(sticky_fault_throwing_fallback_child(), ::testing::ExitedWithCode(0),
+                "throwing fallback handled");
+}
+
 // ---- one mode at a time -----------------------------------------------------------------------
 
 cudawait::task<void> submit_all(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {

@@ -42,7 +42,10 @@
 // the fallback, or is reported failed; without a fallback, run() throws pipeline_error listing the
 // chunks that completed and the ones that failed. Streaming keeps the order: a chunk that fails
 // is produced by the fallback when next() reaches it, or next() throws pipeline_error for it
-// (and the chunks after it can still be taken).
+// (and the chunks after it can still be taken). An exception from the fallback (or from any
+// callback) reaches the caller of run() or next(); run() first waits for the chunks still in
+// flight, so that no copy lands in the caller's memory after it returned (one that outlives
+// chunk_timeout meanwhile may still land, as above).
 
 #include <cudawait/copy.hpp>
 #include <cudawait/device.hpp>
@@ -62,6 +65,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -346,8 +350,9 @@ public:
     }
 
     /// Runs `in` through the pipeline into `out` (output_size(in.size()) elements).
-    /// @throws usage_error for empty or mis-sized ranges, device memory, or a pipeline in
-    ///         streaming use; pipeline_error when chunks failed and no fallback took them
+    /// @throws usage_error for empty or mis-sized ranges, device memory, or while a streaming
+    ///         session is open; pipeline_error when chunks failed and no fallback took them;
+    ///         what the fallback or a callback throws, once the chunks in flight finished
     [[nodiscard]] task<void> run(std::span<const In> in, std::span<Out> out) {
         if (in.empty() || in.data() == nullptr) {
             throw usage_error("pipeline::run: empty input");
@@ -493,7 +498,8 @@ public:
 
     /// The next chunk's output, in submission order; std::nullopt once closed and drained,
     /// which ends the streaming session (a later call waits for the next session's chunks).
-    /// @throws pipeline_error when the chunk failed and no fallback took it
+    /// @throws pipeline_error when the chunk failed and no fallback took it; what the fallback
+    ///         throws (the chunk is then counted failed)
     [[nodiscard]] task<std::optional<result>> next() {
         scheduler& sched = *co_await this_scheduler_ptr();
         const std::size_t session = m_sessions_ended;
@@ -541,10 +547,14 @@ public:
             throw pipeline_error("pipeline: chunk " + std::to_string(f.chunk) + " failed: " + error,
                                  {}, {f.chunk});
         }
-        {
+        try {
             trace_range r("fallback", f.chunk);
             m_fallback(f.chunk, std::span<const In>(sl.host_in.data(), f.count),
                        sl.host_out.span().first(f.output_count));
+        } catch (...) {
+            ++m_stats.failed_chunks;
+            give_back(f.slot);
+            throw;
         }
         ++m_stats.fallback_chunks;
         co_return result(this, f.slot, f.chunk, f.output_count, true);
@@ -1046,14 +1056,48 @@ private:
     // The context is gone: nothing in flight can complete or write any more.
     void abandon_gpu(batch& b, const std::string& why) {
         m_gpu_abandoned = true;
-        for (flight& f : b.inflight) {
-            report(f, 2, m_fallback ? "handed to the fallback (GPU lost)" : "failed (GPU lost)",
-                   why);
-            run_fallback(b, f.chunk);
+        // Every event goes back before any fallback runs: one that throws leaves none out.
+        std::deque<flight> lost;
+        lost.swap(b.inflight);
+        for (flight& f : lost) {
             b.busy[f.slot] = false;
             event_pool::for_device(m_options.device).release_raw(f.done);
         }
-        b.inflight.clear();
+        for (flight& f : lost) {
+            report(f, 2, m_fallback ? "handed to the fallback (GPU lost)" : "failed (GPU lost)",
+                   why);
+            run_fallback(b, f.chunk);
+        }
+    }
+
+    // After an exception (from the fallback, a callback, a stage): the chunks still in flight
+    // must stop writing the caller's memory before run() passes it on, and their events go back
+    // to the pool. One that times out may still land: its event stays out until destruction.
+    task<void> drain(batch& b) {
+        while (!b.inflight.empty()) {
+            flight& f = b.inflight.front();
+            bool landed = true;
+            try {
+                if (m_options.chunk_timeout.count() > 0) {
+                    co_await with_timeout(event_ref(f.done), m_options.chunk_timeout);
+                } else {
+                    co_await event_ref(f.done);
+                }
+            } catch (const timeout_error&) {
+                landed = false;
+            } catch (const cuda_error&) {
+                m_gpu_abandoned = true; // the context is gone: nothing can complete any more
+            } catch (...) {
+                landed = false; // not known to have landed
+            }
+            if (landed) {
+                event_pool::for_device(m_options.device).release_raw(f.done);
+            } else {
+                m_abandoned_events.push_back(f.done);
+            }
+            b.busy[f.slot] = false;
+            b.inflight.pop_front();
+        }
     }
 
     task<void> run_batch(std::span<const In> in, std::span<Out> out, bool pinned_in,
@@ -1080,48 +1124,60 @@ private:
         m_window.clear();
         auto t0 = std::chrono::steady_clock::now();
         std::size_t next = 0;
-        while (next < n || !b.inflight.empty()) {
-            if (next < n && m_gpu_abandoned) {
-                run_fallback(b, next++);
-                continue;
-            }
-            std::size_t limit = b.runahead() ? runahead_factor * m_active_depth : m_active_depth;
-            if (next < n && b.inflight.size() < limit) {
-                std::string error;
-                bool sticky = false;
-                try {
-                    start_chunk(b, next);
-                    ++next;
-                    continue;
-                } catch (const cuda_error& e) {
-                    error = e.what();
-                    sticky = e.sticky();
-                }
-                flight f;
-                f.chunk = next;
-                f.offset = next * m_options.chunk_elements;
-                f.count = chunk_in(b, next).size();
-                f.output_count = output_count(f.count);
-                if (sticky) {
-                    report(f, 2, "GPU lost", error);
-                    abandon_gpu(b, error);
+        std::exception_ptr failure;
+        try {
+            while (next < n || !b.inflight.empty()) {
+                if (next < n && m_gpu_abandoned) {
+                    run_fallback(b, next++);
                     continue;
                 }
-                if (++b.attempts[next] <= m_options.max_retries) {
-                    // Level 1: let everything in flight finish, then retry with one slot fewer.
-                    ++m_stats.retries;
-                    while (!b.inflight.empty()) {
-                        co_await retire(b);
+                std::size_t limit =
+                    b.runahead() ? runahead_factor * m_active_depth : m_active_depth;
+                if (next < n && b.inflight.size() < limit) {
+                    std::string error;
+                    bool sticky = false;
+                    try {
+                        start_chunk(b, next);
+                        ++next;
+                        continue;
+                    } catch (const cuda_error& e) {
+                        error = e.what();
+                        sticky = e.sticky();
                     }
-                    m_active_depth = std::max(1u, m_active_depth - 1);
-                    report(f, 1, "retrying with depth " + std::to_string(m_active_depth), error);
+                    flight f;
+                    f.chunk = next;
+                    f.offset = next * m_options.chunk_elements;
+                    f.count = chunk_in(b, next).size();
+                    f.output_count = output_count(f.count);
+                    if (sticky) {
+                        report(f, 2, "GPU lost", error);
+                        abandon_gpu(b, error);
+                        continue;
+                    }
+                    if (++b.attempts[next] <= m_options.max_retries) {
+                        // Level 1: let everything in flight finish, then retry with one slot fewer.
+                        ++m_stats.retries;
+                        while (!b.inflight.empty()) {
+                            co_await retire(b);
+                        }
+                        m_active_depth = std::max(1u, m_active_depth - 1);
+                        report(f, 1, "retrying with depth " + std::to_string(m_active_depth),
+                               error);
+                        continue;
+                    }
+                    report(f, 2, m_fallback ? "handed to the fallback" : "failed (no fallback)",
+                           error);
+                    run_fallback(b, next++);
                     continue;
                 }
-                report(f, 2, m_fallback ? "handed to the fallback" : "failed (no fallback)", error);
-                run_fallback(b, next++);
-                continue;
+                co_await retire(b);
             }
-            co_await retire(b);
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        if (failure) {
+            co_await drain(b); // not in the handler: a handler cannot co_await
+            std::rethrow_exception(failure);
         }
         auto t1 = std::chrono::steady_clock::now();
         m_stats.chunks = n;
@@ -1180,13 +1236,16 @@ private:
         // nor anything else writes them; they are reported failed, and their events stay out of
         // the pool (a late completion must not signal a reused event).
         m_gpu_abandoned = true;
-        for (flight& g : b.inflight) {
-            report(g, 2, "failed (timed out; its copy may still land)", error);
+        std::deque<flight> lost;
+        lost.swap(b.inflight);
+        for (flight& g : lost) {
             b.state[g.chunk] = chunk_state::failed;
             ++m_stats.failed_chunks;
             m_abandoned_events.push_back(g.done);
         }
-        b.inflight.clear();
+        for (flight& g : lost) {
+            report(g, 2, "failed (timed out; its copy may still land)", error);
+        }
     }
 
     /// Chunks in flight per slot when the host may run ahead (pinned host ranges).
