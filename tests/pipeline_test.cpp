@@ -98,6 +98,27 @@ TEST(pipeline, bad_options_are_usage_errors) {
     EXPECT_THROW(pipe_t(o, {pipe_t::stage{}}), usage_error) << "an empty stage";
 }
 
+TEST(pipeline, several_stages_need_one_element_type) {
+    // Chained stages read each other's outputs: with In != Out only one stage is allowed.
+    using mixed = pipeline<u32, float>;
+    pipeline_options o;
+    o.chunk_elements = 1024;
+    mixed::stage stage = [](std::span<u32>, std::span<float>, cudawait::stream_ref) {};
+    try {
+        mixed p(o, {stage, stage});
+        ADD_FAILURE() << "no exception";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("In == Out"), std::string::npos) << e.what();
+    }
+    try {
+        mixed p(o, {stage});
+    } catch (const usage_error& e) {
+        ADD_FAILURE() << "one stage of In != Out is allowed: " << e.what();
+    } catch (const cudawait::cuda_error&) {
+        // without a device the streams cannot be made
+    }
+}
+
 TEST(pipeline, a_failed_batch_error_counts_the_chunks_it_lists) {
     pipeline_error e = cudawait::detail::batch_failed({0, 1, 3, 4, 6, 7, 8, 9, 10, 11}, {2, 5});
     EXPECT_STREQ(e.what(), "pipeline: 2 of 12 chunks failed");
@@ -222,27 +243,6 @@ TEST_F(pipeline_gpu, graph_mode_gives_the_same_bytes_as_plain_mode) {
     }
     EXPECT_EQ(plain, graphed);
     EXPECT_EQ(first_mismatch(graphed, expected(in, chunk)), n);
-}
-
-TEST_F(pipeline_gpu, several_stages_run_in_order_on_the_chunk) {
-    const std::size_t chunk = 50'000;
-    const std::size_t n = chunk * 4 + 9;
-    auto in = random_words(n, 7);
-    pipeline_options o;
-    o.chunk_elements = chunk;
-    pipe_t p(o, {transform_stage(),
-                 [](std::span<u32>, std::span<u32> out, cudawait::stream_ref s) {
-                     cudawait::check(cudawait::testing::launch_mix(out.data(), out.size(), 9, s.get()),
-                                     "launch_mix");
-                 }});
-    std::vector<u32> out(n, 0);
-    cudawait::scheduler sched;
-    cudawait::sync_wait(sched, p.run(in, out));
-    auto want = expected(in, chunk);
-    for (std::size_t off = 0; off < n; off += chunk) {
-        cudawait::testing::mix_on_host(want.data() + off, std::min(chunk, n - off), 9);
-    }
-    EXPECT_EQ(first_mismatch(out, want), n);
 }
 
 TEST_F(pipeline_gpu, output_size_can_differ_from_input_size) {
@@ -1040,6 +1040,125 @@ TEST_F(pipeline_gpu, after_a_drained_stream_batches_and_new_streams_may_follow) 
         std::fill(out.begin(), out.end(), 0xdeadbeefu);
         cudawait::sync_wait(sched, p.run(in, out));
         EXPECT_EQ(first_mismatch(out, want), n);
+    }
+}
+
+// ---- chained stages ---------------------------------------------------------------------------
+
+pipe_t::stage affine_stage(u32 a, u32 b) {
+    return [a, b](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
+        cudawait::check(cudawait::testing::launch_affine(
+                            in.data(), out.data(), std::min(in.size(), out.size()), a, b, s.get()),
+                        "launch_affine");
+    };
+}
+
+pipe_t::stage square_sub_stage(u32 c) {
+    return [c](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
+        cudawait::check(cudawait::testing::launch_square_sub(
+                            in.data(), out.data(), std::min(in.size(), out.size()), c, s.get()),
+                        "launch_square_sub");
+    };
+}
+
+/// y = 2x + 1, then z = y * y - 3 from y, then (a third stage) w = 5z + 7 from z.
+std::vector<pipe_t::stage> chain(std::size_t stages) {
+    std::vector<pipe_t::stage> v{affine_stage(2, 1), square_sub_stage(3)};
+    if (stages == 3) {
+        v.push_back(affine_stage(5, 7));
+    }
+    return v;
+}
+
+std::vector<u32> chain_on_host(const std::vector<u32>& x, std::size_t stages) {
+    std::vector<u32> y(x.size());
+    std::vector<u32> z(x.size());
+    cudawait::testing::affine_on_host(x.data(), y.data(), x.size(), 2, 1);
+    cudawait::testing::square_sub_on_host(y.data(), z.data(), y.size(), 3);
+    if (stages == 3) {
+        cudawait::testing::affine_on_host(z.data(), z.data(), z.size(), 5, 7);
+    }
+    return z;
+}
+
+TEST_F(pipeline_gpu, chained_stages_each_read_the_previous_stage_output) {
+    const std::size_t chunk = 50'000;
+    const std::size_t n = chunk * 5 + 321;
+    auto data = random_words(n, 37);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, data);
+    std::vector<std::vector<u32>> chunks;
+    std::mt19937 sizes(38);
+    for (std::size_t i = 0; i < 12; ++i) {
+        chunks.push_back(random_words(i % 3 == 0 ? chunk : 1 + sizes() % chunk, 600 + i));
+    }
+    for (std::size_t stages : {2, 3}) {
+        auto want = chain_on_host(data, stages);
+        for (bool graph : {false, true}) {
+            SCOPED_TRACE(std::to_string(stages) + " stages" + (graph ? ", graph" : ""));
+            pipeline_options o;
+            o.chunk_elements = chunk;
+            o.depth = 3;
+            o.compute_streams = 2;
+            o.graph = graph;
+            pipe_t p(o, chain(stages));
+            cudawait::scheduler sched;
+            // Pageable (staged, one chunk per slot) and pinned (run-ahead) batches.
+            std::vector<u32> out(n, 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(data, out));
+            EXPECT_EQ(first_mismatch(out, want), n);
+            std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            std::vector<u32> got(pout.begin(), pout.end());
+            EXPECT_EQ(first_mismatch(got, want), n);
+            // Streaming, full and short chunks.
+            auto outs = stream_all(sched, p, chunks);
+            ASSERT_EQ(outs.size(), chunks.size());
+            for (std::size_t i = 0; i < chunks.size(); ++i) {
+                EXPECT_EQ(outs[i], chain_on_host(chunks[i], stages)) << "chunk " << i;
+            }
+            auto st = p.stats();
+            EXPECT_EQ(st.gpu_chunks, chunks.size());
+            EXPECT_EQ(st.fallback_chunks + st.failed_chunks, 0u);
+        }
+    }
+}
+
+TEST_F(pipeline_gpu, chained_stages_read_outputs_shorter_than_the_input) {
+    // Stage 0 sums the chunk into one element; stage 1 reads that one element: 2 * sum + 1.
+    const std::size_t chunk = 30'000;
+    const std::size_t n = chunk * 4 + 5;
+    auto in = random_words(n, 39);
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.output_elements = 1;
+        o.graph = graph;
+        std::size_t second_input = 0;
+        pipe_t p(o, {[](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                         cudawait::check(
+                             cudawait::testing::launch_sum(a.data(), a.size(), b.data(), s.get()),
+                             "launch_sum");
+                     },
+                     [&second_input](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                         second_input = std::max(second_input, a.size());
+                         cudawait::check(cudawait::testing::launch_affine(a.data(), b.data(),
+                                                                          b.size(), 2, 1, s.get()),
+                                         "launch_affine");
+                     }});
+        std::vector<u32> out(5, 0xdeadbeefu);
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, p.run(in, out));
+        EXPECT_EQ(second_input, 1u) << "the second stage reads the first one's output";
+        for (std::size_t c = 0; c < 5; ++c) {
+            u32 sum = 0;
+            for (std::size_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i) {
+                sum += in[i];
+            }
+            EXPECT_EQ(out[c], sum * 2 + 1) << "chunk " << c;
+        }
     }
 }
 

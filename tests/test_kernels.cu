@@ -130,4 +130,41 @@ cudaError_t launch_empty(cudaStream_t s) {
     return cudaGetLastError();
 }
 
+namespace {
+
+__global__ void affine_kernel(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                              std::uint32_t a, std::uint32_t b) {
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        out[i] = in[i] * a + b;
+    }
+}
+
+__global__ void square_sub_kernel(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                                  std::uint32_t c) {
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        out[i] = in[i] * in[i] - c;
+    }
+}
+
+unsigned blocks_for(std::size_t n) {
+    const unsigned blocks = static_cast<unsigned>(n < 256 * 64 ? (n + 255) / 256 : 64);
+    return blocks == 0 ? 1 : blocks;
+}
+
+} // namespace
+
+cudaError_t launch_affine(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                          std::uint32_t a, std::uint32_t b, cudaStream_t s) {
+    affine_kernel<<<blocks_for(n), 256, 0, s>>>(in, out, n, a, b);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_square_sub(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                              std::uint32_t c, cudaStream_t s) {
+    square_sub_kernel<<<blocks_for(n), 256, 0, s>>>(in, out, n, c);
+    return cudaGetLastError();
+}
+
 } // namespace cudawait::testing

@@ -60,4 +60,28 @@ cudaError_t launch_fault(cudaStream_t s);
 /// An empty kernel.
 cudaError_t launch_empty(cudaStream_t s);
 
+/// out[i] = in[i] * a + b for i < n (unsigned, modulo 2^32); in and out may be the same.
+cudaError_t launch_affine(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                          std::uint32_t a, std::uint32_t b, cudaStream_t s);
+
+/// The host reference of launch_affine.
+inline void affine_on_host(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                           std::uint32_t a, std::uint32_t b) {
+    for (std::size_t i = 0; i < n; ++i) {
+        out[i] = in[i] * a + b;
+    }
+}
+
+/// out[i] = in[i] * in[i] - c for i < n (unsigned, modulo 2^32); in and out may be the same.
+cudaError_t launch_square_sub(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                              std::uint32_t c, cudaStream_t s);
+
+/// The host reference of launch_square_sub.
+inline void square_sub_on_host(const std::uint32_t* in, std::uint32_t* out, std::size_t n,
+                               std::uint32_t c) {
+    for (std::size_t i = 0; i < n; ++i) {
+        out[i] = in[i] * in[i] - c;
+    }
+}
+
 } // namespace cudawait::testing

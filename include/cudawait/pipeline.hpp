@@ -4,7 +4,8 @@
 // Synopsis
 //   pipeline<float> pipe(options, {stage...}, fallback);
 //       stage:    void(std::span<float> dev_in, std::span<float> dev_out, stream_ref s)
-//                 launches the chunk's kernels on `s` (device spans, the chunk's own lengths)
+//                 launches the chunk's kernels on `s` (device spans, the chunk's own lengths:
+//                 stage 0 reads the chunk's input, a later stage the previous one's output)
 //       fallback: void(std::size_t chunk, std::span<const float> in, std::span<float> out)
 //                 computes a chunk on the host when the GPU cannot (optional)
 //
@@ -13,6 +14,14 @@
 //               fill(slot.data()); pipe.submit(std::move(slot), n);
 //               while (auto r = co_await pipe.next()) use(r->data());   // in submission order
 //               pipe.close();                             // next() drains, then ends
+//
+// Stages are chained: stage 0 reads the chunk's device input, each later stage reads the
+// previous stage's output, and the last writes the chunk's device output, which goes D2H. With
+// several stages each slot has one more device buffer (an output chunk) and the stages' outputs
+// alternate between it and the output buffer, so that the last lands in the output. A stage's
+// input and output are then both spans of the one element type: several stages need In == Out
+// (else the constructor throws usage_error); one stage may launch any number of kernels. A
+// chunk's stages run in order on one compute stream.
 //
 // Each chunk goes H2D on one stream, through the stages on a compute stream, D2H on a third; the
 // streams are non-blocking and ordered by events only, so copies in both directions and kernels
@@ -278,6 +287,8 @@ class pipeline {
     static_assert(std::is_trivially_copyable_v<In> && std::is_trivially_copyable_v<Out>);
 
 public:
+    /// Launches a chunk's kernels on `s`. Stages are chained: `in` is the chunk's device input
+    /// for the first stage and the previous stage's output for the others.
     using stage = std::function<void(std::span<In> in, std::span<Out> out, stream_ref s)>;
     using fallback =
         std::function<void(std::size_t chunk, std::span<const In> in, std::span<Out> out)>;
@@ -285,7 +296,8 @@ public:
     class input_slot;
     class result;
 
-    /// @throws usage_error for a zero chunk size, depth, stream count or no stages; cuda_error
+    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, or several
+    ///         stages with In != Out; cuda_error
     pipeline(pipeline_options options, std::vector<stage> stages, fallback on_gpu_failure = {})
         : m_options(validated(std::move(options))), m_stages(checked(std::move(stages))),
           m_fallback(std::move(on_gpu_failure)),
@@ -637,6 +649,11 @@ private:
             std::any_of(stages.begin(), stages.end(), [](const stage& s) { return !s; })) {
             throw usage_error("pipeline: at least one stage, and no empty ones");
         }
+        if (stages.size() > 1 && !std::is_same_v<In, Out>) {
+            throw usage_error("pipeline: stages are chained (each reads the previous one's "
+                              "output), which needs In == Out; with In != Out pass one stage, "
+                              "which may launch several kernels");
+        }
         return stages;
     }
     int transfer_priority() const {
@@ -647,6 +664,9 @@ private:
         explicit slot(pipeline& p)
             : owner(&p), dev_in(p.m_options.chunk_elements, p.m_h2d),
               dev_out(p.m_options.output_elements, p.m_h2d),
+              dev_mid(p.m_stages.size() > 1
+                          ? device_buffer<Out>(p.m_options.output_elements, p.m_h2d)
+                          : device_buffer<Out>()),
               h2d_done(device_ref(p.m_options.device)),
               compute_done(device_ref(p.m_options.device)),
               d2h_done(device_ref(p.m_options.device)),
@@ -673,7 +693,8 @@ private:
         pipeline* owner;
         device_buffer<In> dev_in;
         device_buffer<Out> dev_out;
-        pinned_buffer<In> host_in; // staging, streaming and graph placeholders only
+        device_buffer<Out> dev_mid; // chained stages: the outputs alternate with dev_out
+        pinned_buffer<In> host_in;  // staging, streaming and graph placeholders only
         pinned_buffer<Out> host_out;
         event h2d_done;
         event compute_done;
@@ -769,6 +790,37 @@ private:
         }
     }
 
+    // Launches the stages for a chunk of `count` inputs and `out_count` outputs on `s`, chained:
+    // stage 0 reads dev_in, each later one the previous one's output; the destinations alternate
+    // between dev_mid and dev_out so that the last stage writes dev_out. A slot's next chunk
+    // reaches its stages only after this one's finished (its H2D waits for compute_done), so
+    // dev_mid needs no event of its own.
+    void launch_stages(slot& sl, std::size_t count, std::size_t out_count, stream_ref s,
+                       bool check_launches) {
+        std::span<In> din(sl.dev_in.data(), count);
+        std::span<Out> dout(sl.dev_out.data(), out_count);
+        if (m_stages.size() == 1) {
+            m_stages.front()(din, dout, s);
+            if (check_launches) {
+                check(cudaGetLastError(), "pipeline stage launch");
+            }
+            return;
+        }
+        if constexpr (std::is_same_v<In, Out>) { // several stages need it (checked())
+            std::span<Out> dmid(sl.dev_mid.data(), out_count);
+            const std::size_t n = m_stages.size();
+            std::span<In> src = din;
+            for (std::size_t i = 0; i < n; ++i) {
+                std::span<Out> dst = (n - 1 - i) % 2 == 0 ? dout : dmid;
+                m_stages[i](src, dst, s);
+                if (check_launches) {
+                    check(cudaGetLastError(), "pipeline stage launch");
+                }
+                src = dst;
+            }
+        }
+    }
+
     // Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
     void enqueue(flight& f, const In* src, Out* dst) {
         slot& sl = *m_slots[f.slot];
@@ -802,12 +854,7 @@ private:
                 (*t)[2].record(cs);
             }
             try {
-                std::span<In> din(sl.dev_in.data(), f.count);
-                std::span<Out> dout(sl.dev_out.data(), f.output_count);
-                for (auto& st : m_stages) {
-                    st(din, dout, cs);
-                    check(cudaGetLastError(), "pipeline stage launch");
-                }
+                launch_stages(sl, f.count, f.output_count, cs, true);
             } catch (...) {
                 // Whatever the stages did launch must finish before the slot is reused.
                 (void)cudaEventRecord(sl.compute_done.get(), cs.get());
@@ -848,11 +895,7 @@ private:
               "cudaStreamBeginCapture");
         cudaGraph_t stages = nullptr;
         try {
-            std::span<In> din(sl.dev_in.data(), m_options.chunk_elements);
-            std::span<Out> dout(sl.dev_out.data(), m_options.output_elements);
-            for (auto& st : m_stages) {
-                st(din, dout, capture);
-            }
+            launch_stages(sl, m_options.chunk_elements, m_options.output_elements, capture, false);
         } catch (...) {
             (void)cudaStreamEndCapture(capture.get(), &stages);
             if (stages != nullptr) {
