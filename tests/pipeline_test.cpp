@@ -1,4 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
+// The recorder first: it defines NVTX's static-injection hook, which a file that included the
+// NVTX headers before it would define weakly.
+#include "nvtx_recorder.hpp"
+// The rest.
 #include <cudawait/pipeline.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
@@ -1159,6 +1163,120 @@ TEST_F(pipeline_gpu, chained_stages_read_outputs_shorter_than_the_input) {
             }
             EXPECT_EQ(out[c], sum * 2 + 1) << "chunk " << c;
         }
+    }
+}
+
+// ---- NVTX ranges ------------------------------------------------------------------------------
+
+cudawait::task<void> run_counted(pipe_t& p, std::span<const u32> in, std::span<u32> out,
+                                 int& finished) {
+    co_await p.run(in, out);
+    ++finished;
+}
+
+cudawait::task<void> stream_counted(pipe_t& p, const std::vector<std::vector<u32>>& chunks,
+                                    std::vector<std::vector<u32>>& got, int& finished) {
+    co_await cudawait::when_all(submit_all(p, chunks), take_all(p, got));
+    ++finished;
+}
+
+/// Wakes every 50 us until `finished` reaches `of`: at each wake-up, between other coroutines'
+/// turns, no push/pop range may be open on the thread.
+cudawait::task<void> nvtx_probe(const int& finished, int of, std::size_t& wakeups,
+                                std::size_t& violations) {
+    auto& rec = cudawait::testing::nvtx_recorder::instance();
+    while (finished < of) {
+        co_await cudawait::sleep_for(50us);
+        ++wakeups;
+        if (!rec.open_pushes().empty()) {
+            ++violations;
+        }
+    }
+}
+
+// A batch on one pipeline and a stream on another, interleaved on one scheduler thread, with an
+// NVTX tool in the process that records every range: a push/pop range never stays open across
+// a suspension (so no pop closes another coroutine's range), and every wait is a start/end range
+// ended by its own id.
+TEST_F(pipeline_gpu, nvtx_ranges_stay_nested_with_two_pipelines_on_one_scheduler) {
+    auto& rec = cudawait::testing::nvtx_recorder::instance();
+    { cudawait::trace_range first("first", 0); } // NVTX initialises its tool on the first call
+    if (!rec.installed()) {
+        GTEST_SKIP() << "another NVTX tool (a profiler's injection) took precedence";
+    }
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 6 + 10; // seven chunks
+    auto data = random_words(n, 40);
+    pinned_buffer<u32> in(n);
+    pinned_buffer<u32> out(n);
+    copy_into(in, data);
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 8; ++i) {
+        chunks.push_back(random_words(chunk - 3 * i, 700 + i));
+    }
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        rec.clear();
+        // A stage runs inside the pipeline's synchronous enqueue: the thread's stack holds the
+        // range around it and nothing a suspended coroutine left open.
+        std::size_t stage_calls = 0;
+        std::size_t stage_violations = 0;
+        pipe_t::stage stage = [&](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+            ++stage_calls;
+            auto open = rec.open_pushes();
+            if (open.size() != 1 || (open[0].message != "compute" && open[0].message != "graph")) {
+                ++stage_violations;
+            }
+            cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(), salt,
+                                                                1'000'000, s.get()),
+                            "launch_transform");
+        };
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.graph = graph;
+        o.depth = 2;
+        pipe_t batch_pipe(o, {stage});
+        o.depth = 3;
+        pipe_t stream_pipe(o, {stage});
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        std::vector<std::vector<u32>> got;
+        int finished = 0;
+        std::size_t wakeups = 0;
+        std::size_t probe_violations = 0;
+        {
+            cudawait::scheduler sched;
+            cudawait::sync_wait(
+                sched, cudawait::when_all(run_counted(batch_pipe, in.span(), out.span(), finished),
+                                          stream_counted(stream_pipe, chunks, got, finished),
+                                          nvtx_probe(finished, 2, wakeups, probe_violations)));
+        }
+        std::vector<u32> outv(out.begin(), out.end());
+        EXPECT_EQ(first_mismatch(outv, expected(data, chunk)), n);
+        ASSERT_EQ(got.size(), chunks.size());
+        for (std::size_t i = 0; i < chunks.size(); ++i) {
+            EXPECT_EQ(got[i], transformed(chunks[i])) << "chunk " << i;
+        }
+        EXPECT_GT(stage_calls, 0u);
+        EXPECT_EQ(stage_violations, 0u) << "a stage ran under a range another coroutine opened";
+        EXPECT_GT(wakeups, 0u);
+        EXPECT_EQ(probe_violations, 0u) << "a push/pop range stayed open across a suspension";
+        EXPECT_EQ(rec.errors(), std::vector<std::string>{});
+        EXPECT_EQ(rec.open_push_count(), 0u);
+        EXPECT_TRUE(rec.open_starts().empty());
+        std::size_t waits = 0;
+        std::size_t pushed = 0;
+        for (const auto& r : rec.closed()) {
+            EXPECT_EQ(r.domain, "cudawait") << r.message;
+            if (r.message == "wait") {
+                EXPECT_FALSE(r.push_pop) << "a wait spans a co_await: a start/end range";
+                ++waits;
+            } else if (r.push_pop) {
+                EXPECT_EQ(r.opened_on, r.closed_on) << r.message;
+                ++pushed;
+            }
+        }
+        EXPECT_EQ(waits, 7u + chunks.size()) << "one wait per chunk: 7 batch chunks, 8 streamed";
+        EXPECT_GT(pushed, 0u);
     }
 }
 

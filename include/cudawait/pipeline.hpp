@@ -531,6 +531,7 @@ public:
         std::string error = f.enqueue_error;
         bool sticky = f.sticky;
         if (error.empty() && !m_gpu_abandoned) {
+            trace_async_range r("wait", f.chunk);
             try {
                 co_await event_ref(f.done);
             } catch (const cuda_error& e) {
@@ -1241,7 +1242,8 @@ private:
         std::string error;
         bool sticky = false;
         {
-            trace_range r("wait", f.chunk);
+            // Spans the await: a start/end range, which other coroutines' ranges cannot close.
+            trace_async_range r("wait", f.chunk);
             try {
                 if (m_options.chunk_timeout.count() > 0) {
                     co_await with_timeout(event_ref(f.done), m_options.chunk_timeout);
