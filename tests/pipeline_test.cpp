@@ -1280,4 +1280,152 @@ TEST_F(pipeline_gpu, nvtx_ranges_stay_nested_with_two_pipelines_on_one_scheduler
     }
 }
 
+// ---- what the options promise -----------------------------------------------------------------
+
+TEST_F(pipeline_gpu, streams_carry_the_default_and_the_configured_priorities) {
+    int least = 0;
+    int greatest = 0;
+    ASSERT_EQ(cudaDeviceGetStreamPriorityRange(&least, &greatest), cudaSuccess);
+    const std::size_t chunk = 10'000;
+    const std::size_t n = chunk * 4;
+    auto in = random_words(n, 41);
+    for (bool configured : {false, true}) {
+        SCOPED_TRACE(configured ? "configured: compute lowest, copies highest" : "defaults");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.compute_streams = 2;
+        int compute = greatest; // default: compute highest, copies lowest
+        int transfer = least;
+        if (configured) {
+            o.compute_priority = least;
+            o.transfer_priority = greatest;
+            std::swap(compute, transfer);
+        }
+        std::vector<std::pair<cudaStream_t, int>> calls;
+        pipe_t p(o, {[&calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                     int priority = 0;
+                     cudawait::check(cudaStreamGetPriority(s.get(), &priority),
+                                     "cudaStreamGetPriority");
+                     calls.emplace_back(s.get(), priority);
+                     cudawait::check(cudawait::testing::launch_transform(
+                                         a.data(), b.data(), a.size(), salt, 0, s.get()),
+                                     "launch_transform");
+                 }});
+        EXPECT_EQ(p.h2d_stream().priority(), transfer);
+        EXPECT_EQ(p.d2h_stream().priority(), transfer);
+        EXPECT_EQ(p.compute_stream(0).priority(), compute);
+        EXPECT_EQ(p.compute_stream(1).priority(), compute);
+        EXPECT_THROW((void)p.compute_stream(2), usage_error);
+        std::vector<u32> out(n, 0xdeadbeefu);
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, p.run(in, out));
+        EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+        ASSERT_EQ(calls.size(), 4u);
+        std::set<cudaStream_t> used;
+        for (auto [s, priority] : calls) {
+            EXPECT_EQ(priority, compute);
+            used.insert(s);
+        }
+        EXPECT_EQ(used,
+                  (std::set<cudaStream_t>{p.compute_stream(0).get(), p.compute_stream(1).get()}))
+            << "the stages ran on the compute streams, in turn";
+    }
+}
+
+/// "a3" for what = 'a', k = 3.
+std::string step(char what, std::size_t k) {
+    std::string s(1, what);
+    s += std::to_string(k);
+    return s;
+}
+
+TEST_F(pipeline_gpu, a_queue_capacity_below_the_depth_bounds_submissions) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 5; ++i) {
+        chunks.push_back(random_words(chunk - i, 800 + i));
+    }
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.queue_capacity = 1; // one chunk submitted and not yet taken, though three slots exist
+    pipe_t p(o, {transform_stage()});
+    std::vector<std::string> log;
+    std::size_t bad = 0;
+    auto produce = [&]() -> cudawait::task<> {
+        for (std::size_t k = 0; k < chunks.size(); ++k) {
+            auto slot = co_await p.acquire();
+            log.push_back(step('a', k));
+            std::copy(chunks[k].begin(), chunks[k].end(), slot.data().begin());
+            p.submit(std::move(slot), chunks[k].size());
+        }
+        p.close();
+    };
+    auto consume = [&]() -> cudawait::task<> {
+        co_await cudawait::sleep_for(5ms); // the producer runs ahead meanwhile, if it can
+        for (std::size_t k = 0;; ++k) {
+            log.push_back(step('c', k));
+            auto r = co_await p.next();
+            if (!r) {
+                break;
+            }
+            auto want = transformed(chunks[r->chunk()]);
+            if (r->chunk() != k ||
+                !std::equal(want.begin(), want.end(), r->data().begin(), r->data().end())) {
+                ++bad;
+            }
+        }
+    };
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, cudawait::when_all(produce(), consume()));
+    EXPECT_EQ(bad, 0u);
+    ASSERT_GE(log.size(), 2u);
+    EXPECT_EQ(log[0], "a0");
+    EXPECT_EQ(log[1], "c0")
+        << "the second acquire waited, with two slots free, until next() took the first chunk";
+    auto at = [&](const std::string& what) {
+        return std::find(log.begin(), log.end(), what) - log.begin();
+    };
+    for (std::size_t k = 1; k < chunks.size(); ++k) {
+        EXPECT_GT(at(step('a', k)), at(step('c', k - 1)))
+            << "acquire " << k << " returned before next() took chunk " << k - 1;
+    }
+}
+
+TEST_F(pipeline_gpu, suggested_chunk_size_grows_for_a_light_kernel_and_shrinks_for_a_heavy_one) {
+    // The rule (suggest_chunk_size): compute:transfer above 3 halves the chunk; below 1.5, with
+    // copies under 1 ms each, doubles it.
+    cudawait::scheduler sched;
+    for (bool heavy : {false, true}) {
+        SCOPED_TRACE(heavy ? "heavy kernel" : "light kernel");
+        // Light: 1 MiB chunks (tens of microseconds per copy), a kernel of a few microseconds.
+        // Heavy: 8 MiB chunks (a few hundred microseconds per copy), 3 ms kernels.
+        const std::size_t chunk = (heavy ? 8_MiB : 1_MiB) / 4;
+        const std::size_t n = chunk * (heavy ? 6 : 16);
+        pinned_buffer<u32> in(n);
+        pinned_buffer<u32> out(n);
+        auto data = random_words(n, heavy ? 43 : 42);
+        copy_into(in, data);
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.timing = true;
+        pipe_t p(o, {transform_stage(heavy ? 3'000'000 : 0)});
+        cudawait::sync_wait(sched, p.run(in.span(), out.span()));
+        std::vector<u32> got(out.begin(), out.end());
+        EXPECT_EQ(first_mismatch(got, expected(data, chunk)), n);
+        auto st = p.stats();
+        std::size_t suggested = p.suggest_chunk_size();
+        if (heavy) {
+            ASSERT_GT(st.compute_to_transfer, 3.0) << "the kernel dominates";
+            EXPECT_LT(suggested, chunk);
+            EXPECT_GE(suggested, chunk / 2);
+        } else {
+            ASSERT_LT(st.compute_to_transfer, 1.5) << "the copies dominate";
+            EXPECT_EQ(suggested, 2 * chunk);
+        }
+    }
+}
+
 } // namespace

@@ -629,6 +629,21 @@ public:
 
     [[nodiscard]] const pipeline_options& options() const noexcept { return m_options; }
 
+    /// The stream chunks are copied to the device on. The streams are exposed for inspection
+    /// (priorities, names in a profiler); work enqueued on them delays the pipeline's.
+    [[nodiscard]] stream_ref h2d_stream() const noexcept { return m_h2d; }
+    /// The stream outputs are copied back on.
+    [[nodiscard]] stream_ref d2h_stream() const noexcept { return m_d2h; }
+    /// Compute stream `i` (chunks take them in turn); graph replays run on per-slot streams of
+    /// the same priority.
+    /// @throws usage_error when i >= options().compute_streams
+    [[nodiscard]] stream_ref compute_stream(std::size_t i) const {
+        if (i >= m_compute.size()) {
+            throw usage_error("pipeline::compute_stream: index out of range");
+        }
+        return m_compute[i];
+    }
+
 private:
     static pipeline_options validated(pipeline_options o) {
         if (o.chunk_elements == 0) {
