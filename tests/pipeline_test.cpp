@@ -978,8 +978,9 @@ cudawait::task<bool> run_refused(pipe_t& p, std::span<const u32> in, std::span<u
     co_return false;
 }
 
-/// One streamed chunk, with run() tried at each point of the session, then acquire() after
-/// close(), then the end: whether each was refused (the end: whether it came).
+/// One streamed chunk, with run() tried at each point of the session, acquire() after close(),
+/// then the end, then run() again while a result is still held: whether each was refused (the
+/// end: whether it came).
 cudawait::task<std::vector<bool>> refusals_through_a_session(pipe_t& p, const std::vector<u32>& in,
                                                              std::vector<u32>& result) {
     std::vector<u32> scratch(in.size(), 0);
@@ -989,11 +990,9 @@ cudawait::task<std::vector<bool>> refusals_through_a_session(pipe_t& p, const st
     std::copy(in.begin(), in.end(), slot.data().begin());
     p.submit(std::move(slot), in.size());
     refused.push_back(co_await run_refused(p, in, scratch)); // a chunk not yet taken
-    {
-        auto r = co_await p.next();
-        result.assign(r->data().begin(), r->data().end());
-        refused.push_back(co_await run_refused(p, in, scratch)); // a result held
-    }
+    std::optional<pipe_t::result> r = co_await p.next();
+    result.assign(r->data().begin(), r->data().end());
+    refused.push_back(co_await run_refused(p, in, scratch)); // a result held
     p.close();
     refused.push_back(co_await run_refused(p, in, scratch)); // closed, the end not yet taken
     bool acquire_refused = false;
@@ -1003,7 +1002,9 @@ cudawait::task<std::vector<bool>> refusals_through_a_session(pipe_t& p, const st
         acquire_refused = true;
     }
     refused.push_back(acquire_refused);
-    refused.push_back(!(co_await p.next()).has_value()); // the end
+    refused.push_back(!(co_await p.next()).has_value());     // the end
+    refused.push_back(co_await run_refused(p, in, scratch)); // the end taken, a result held
+    r.reset();
     co_return refused;
 }
 
@@ -1027,8 +1028,9 @@ TEST_F(pipeline_gpu, after_a_drained_stream_batches_and_new_streams_may_follow) 
         cudawait::scheduler sched;
         std::vector<u32> result;
         auto refused = cudawait::sync_wait(sched, refusals_through_a_session(p, one, result));
-        EXPECT_EQ(refused, std::vector<bool>(6, true))
-            << "run() refused while the session was open, acquire() after close(), then the end";
+        EXPECT_EQ(refused, std::vector<bool>(7, true))
+            << "run() refused while the session was open or a result held, acquire() after "
+               "close(), then the end";
         EXPECT_EQ(result, transformed(one));
         // Idle: a batch.
         std::vector<u32> out(n, 0xdeadbeefu);
