@@ -102,7 +102,8 @@ TEST(scheduler, schedule_hops_between_threads) {
         const auto start = std::this_thread::get_id();
         co_await other.schedule();
         const auto there = std::this_thread::get_id();
-        scheduler* bound = &(co_await cudawait::this_scheduler());
+        scheduler& bound_ref = co_await cudawait::this_scheduler();
+        scheduler* bound = &bound_ref;
         co_await sleep_for(1ms);  // timers now belong to `other`
         const auto after_sleep = std::this_thread::get_id();
         co_await main_loop.schedule();
