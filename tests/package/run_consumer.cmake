@@ -83,7 +83,8 @@ if(MODE STREQUAL "install")
 
   # The package files find_package(cudawait CONFIG) reads.
   if(LIBDIR AND NOT IS_ABSOLUTE "${LIBDIR}")
-    foreach(f cudawaitConfig.cmake cudawaitConfigVersion.cmake cudawaitTargets.cmake cudawaitCccl.cmake)
+    foreach(f cudawaitConfig.cmake cudawaitConfigVersion.cmake cudawaitTargets.cmake cudawaitCccl.cmake
+        cudawaitCuda20.cmake)
       if(NOT EXISTS "${PREFIX}/${LIBDIR}/cmake/cudawait/${f}")
         message(FATAL_ERROR "install did not create ${PREFIX}/${LIBDIR}/cmake/cudawait/${f}")
       endif()
