@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/scheduler.hpp>
 
+#include <cudawait/event.hpp>
 #include <cudawait/scope.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/sync_wait.hpp>
@@ -9,6 +10,7 @@
 
 #include "gpu_fixture.hpp"
 #include "host_signal.hpp"
+#include "no_device.hpp"
 #include "test_kernels.hpp"
 
 #include <algorithm>
@@ -24,6 +26,8 @@
 #include <stdexcept>
 #include <stop_token>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -102,7 +106,8 @@ TEST(scheduler, schedule_hops_between_threads) {
         const auto start = std::this_thread::get_id();
         co_await other.schedule();
         const auto there = std::this_thread::get_id();
-        scheduler* bound = &(co_await cudawait::this_scheduler());
+        scheduler& bound_ref = co_await cudawait::this_scheduler();
+        scheduler* bound = &bound_ref;
         co_await sleep_for(1ms);  // timers now belong to `other`
         const auto after_sleep = std::this_thread::get_id();
         co_await main_loop.schedule();
@@ -222,6 +227,50 @@ TEST(scheduler, with_timeout_of_work_that_finishes_on_another_thread) {
     };
     EXPECT_TRUE(sync_wait(home, body()));
     stop.request_stop();
+}
+
+// Every form with_timeout documents compiles, with the documented result; a task variable has to
+// be moved in (it runs on after a timeout, so the caller gives it up).
+template <class A>
+concept timeout_form = requires(A&& a) { with_timeout(std::forward<A>(a), 2s); };
+template <class A, class R>
+constexpr bool timeout_yields =
+    std::is_same_v<decltype(with_timeout(std::declval<A>(), 2s)), task<R>>;
+static_assert(timeout_yields<stream&, void>);
+static_assert(timeout_yields<const stream&, void>);
+static_assert(timeout_yields<cudawait::stream_ref, void>);
+static_assert(timeout_yields<cudaStream_t, void>);
+static_assert(timeout_yields<cudawait::event&, void>);
+static_assert(timeout_yields<const cudawait::event&, void>);
+static_assert(timeout_yields<cudawait::pooled_event&, void>);
+static_assert(timeout_yields<cudawait::event_ref, void>);
+static_assert(timeout_yields<cudaEvent_t, void>);
+static_assert(timeout_yields<task<int>, int>);
+static_assert(timeout_yields<task<>, void>);
+static_assert(timeout_yields<cudawait::detail::sleep_request, void>);
+static_assert(!timeout_form<task<int>&>);
+
+TEST(scheduler, with_timeout_of_a_stream_or_event_with_no_device_fails_at_the_call) {
+    // A stream or event form records at the call, so where no device can be used the call
+    // itself throws cuda_error, before anything is awaited; a task form is lazy and does not.
+    auto child = [] {
+        int clean = 0;
+        try {
+            auto t = with_timeout(cudawait::stream_ref(cudaStreamPerThread), 1s);
+        } catch (const cuda_error&) {
+            ++clean;
+        }
+        try {
+            auto t = with_timeout(reinterpret_cast<cudaEvent_t>(std::uintptr_t{0x40}), 1s);
+        } catch (const cuda_error&) {
+            ++clean;
+        }
+        auto lazy = []() -> task<int> { co_return 4; };
+        auto t = with_timeout(lazy(), 1s);
+        std::fprintf(stderr, "%s\n", clean == 2 ? "failed cleanly at the call" : "no error");
+        std::exit(clean == 2 && t.valid() ? 0 : 1);
+    };
+    CUDAWAIT_EXPECT_IN_CHILD_WITHOUT_DEVICE(child(), "failed cleanly at the call");
 }
 
 TEST(scheduler, idle_scheduler_blocks_instead_of_polling) {
@@ -553,7 +602,7 @@ TEST_F(scheduler_gpu, timeout_on_a_spinning_kernel_keeps_its_event_tracked) {
               "launch_wait_flag");
         const auto t0 = clock_type::now();
         try {
-            co_await with_timeout(cudawait::stream_ref(st), 50ms);
+            co_await with_timeout(st, 50ms);
         } catch (const timeout_error&) {
             const auto waited = clock_type::now() - t0;
             co_return waited >= 50ms && waited < 5s;
@@ -562,13 +611,228 @@ TEST_F(scheduler_gpu, timeout_on_a_spinning_kernel_keeps_its_event_tracked) {
     };
     EXPECT_TRUE(sync_wait(s, body()));
     EXPECT_FALSE(st.ready()) << "the kernel must still be running";
-    // The scheduler still tracks the abandoned wait; its event is still out of the pool.
-    EXPECT_EQ(s.pending().stream_waits, 1u);
+    // The scheduler still tracks the abandoned wait (on the event recorded at the call); that
+    // event is still out of the pool.
+    EXPECT_EQ(s.pending().event_waits, 1u);
     EXPECT_GT(pool.outstanding(), outstanding);
     flag.host[0] = 1;
     s.run();  // drains: the kernel ends, the wait completes, the event is recycled
-    EXPECT_EQ(s.pending().stream_waits, 0u);
+    EXPECT_EQ(s.pending().event_waits, 0u);
+    EXPECT_EQ(pool.outstanding(), outstanding);
     EXPECT_TRUE(st.ready());
+}
+
+// Each form with_timeout documents, on work that finishes: the await returns only once the work
+// enqueued before the call wrote its value.
+TEST_F(scheduler_gpu, with_timeout_accepts_every_documented_form) {
+    scheduler s;
+    stream st;
+    mapped_words out(9);
+    cudawait::event ev;
+    cudawait::pooled_event pooled = cudawait::event_pool::for_device(0).acquire();
+    std::mt19937 rng(20261201);
+    std::vector<std::uint32_t> want(out.count);
+    for (auto& w : want) {
+        w = static_cast<std::uint32_t>(rng()) | 1u;
+    }
+    // A 2 ms spin on `st` that then writes want[i] to out[i].
+    auto launch = [&](std::size_t i) {
+        check(cudawait::testing::launch_spin(2'000'000, out.device + i, want[i], st.get()),
+              "launch");
+    };
+    auto body = [&]() -> task<int> {
+        int seen = 0;
+        auto saw = [&](std::size_t i) { seen += out.read(i) == want[i] ? 1 : 0; };
+        launch(0);
+        co_await with_timeout(st, 20s);  // owning stream, by reference
+        saw(0);
+        launch(1);
+        const stream& const_st = st;
+        co_await with_timeout(const_st, 20s);
+        saw(1);
+        launch(2);
+        co_await with_timeout(cudawait::stream_ref(st), 20s);
+        saw(2);
+        launch(3);
+        co_await with_timeout(st.get(), 20s);  // cudaStream_t
+        saw(3);
+        launch(4);
+        ev.record(st);
+        co_await with_timeout(ev, 20s);  // owning event, by reference
+        saw(4);
+        launch(5);
+        pooled.record(st);
+        co_await with_timeout(pooled, 20s);
+        saw(5);
+        launch(6);
+        ev.record(st);
+        co_await with_timeout(cudawait::event_ref(ev), 20s);
+        saw(6);
+        launch(7);
+        ev.record(st);
+        co_await with_timeout(ev.get(), 20s);  // cudaEvent_t
+        saw(7);
+        auto on_stream = [&]() -> task<std::uint32_t> {
+            launch(8);
+            co_await st;
+            co_return out.read(8);
+        };
+        seen += co_await with_timeout(on_stream(), 20s) == want[8] ? 1 : 0;
+        co_return seen;
+    };
+    EXPECT_EQ(sync_wait(s, body()), 9);
+    const auto p = s.pending();
+    EXPECT_EQ(p.event_waits + p.stream_waits + p.timers + p.detached, 0u);
+}
+
+// A timeout on an owning stream that the caller destroys right away: the wait goes on without
+// it, on the event recorded at the call, and completes once the work is done.
+TEST_F(scheduler_gpu, with_timeout_on_an_owning_stream_destroyed_right_after) {
+    scheduler s;
+    mapped_words flag(1);
+    mapped_words out(1);
+    flag.host[0] = 0;
+    auto& pool = cudawait::event_pool::for_device(0);
+    const long outstanding = pool.outstanding();
+    std::atomic<bool> timed_out{false};
+    // Lets the kernel finish once the timeout was seen, so that destroying the stream (which
+    // synchronises it) returns.
+    std::jthread raiser([&] {
+        while (!timed_out.load()) {
+            std::this_thread::sleep_for(1ms);
+        }
+        std::this_thread::sleep_for(20ms);
+        reinterpret_cast<volatile std::uint32_t*>(flag.host)[0] = 1;
+    });
+    auto body = [&]() -> task<bool> {
+        auto st = std::make_unique<stream>();
+        check(cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st->get()),
+              "launch_wait_flag");
+        check(cudawait::testing::launch_spin(0, out.device, 0x5EED5u, st->get()), "launch_spin");
+        try {
+            co_await with_timeout(*st, 30ms);
+        } catch (const timeout_error&) {
+            timed_out = true;
+            st.reset();  // the caller lets go of the stream while the wait is pending
+            co_return true;
+        }
+        co_return false;
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
+    raiser.join();
+    s.run();  // the abandoned wait completes without the stream
+    EXPECT_EQ(out.read(0), 0x5EED5u);
+    const auto p = s.pending();
+    EXPECT_EQ(p.event_waits + p.stream_waits + p.detached, 0u);
+    EXPECT_EQ(pool.outstanding(), outstanding);
+}
+
+// A raw stream destroyed while its work still runs (cudaStreamDestroy returns at once): the wait
+// left by the timeout holds only its event, so a stream created afterwards, which may get the
+// same handle, is awaited on its own.
+TEST_F(scheduler_gpu, with_timeout_on_a_raw_stream_destroyed_while_its_work_runs) {
+    scheduler s;
+    mapped_words flag(1);
+    mapped_words out(2);
+    flag.host[0] = 0;
+    auto body = [&]() -> task<bool> {
+        cudaStream_t raw = nullptr;
+        check(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+        // Ends by itself after 10 s if the flag never comes, so a failure cannot hang.
+        check(cudawait::testing::launch_wait_flag(flag.device, 10'000'000'000ull, raw), "launch");
+        check(cudawait::testing::launch_spin(0, out.device, 0x01Du, raw), "launch_spin");
+        bool timed_out = false;
+        try {
+            co_await with_timeout(raw, 30ms);
+        } catch (const timeout_error&) {
+            timed_out = true;
+        }
+        check(cudaStreamDestroy(raw), "cudaStreamDestroy");
+        stream fresh;
+        check(cudawait::testing::launch_spin(1'000'000, out.device + 1, 0xF2E54u, fresh.get()),
+              "launch_spin");
+        co_await fresh;
+        // The old stream's work is still waiting for the flag.
+        co_return timed_out && out.read(1) == 0xF2E54u && out.read(0) == 0xBADC0DEu;
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
+    EXPECT_EQ(s.pending().event_waits, 1u);
+    reinterpret_cast<volatile std::uint32_t*>(flag.host)[0] = 1;
+    s.run();
+    EXPECT_EQ(out.read(0), 0x01Du);
+    EXPECT_EQ(s.pending().event_waits, 0u);
+}
+
+// A timeout on an owning event that the caller destroys right away, while the work it captured
+// still runs: the wait holds an event of its own (recorded behind the user's on a relay stream),
+// so it neither fails nor completes early, and completes once the work is done.
+TEST_F(scheduler_gpu, with_timeout_on_an_event_destroyed_right_after) {
+    scheduler s;
+    stream st;
+    mapped_words flag(1);
+    mapped_words out(1);
+    flag.host[0] = 0;
+    auto& pool = cudawait::event_pool::for_device(0);
+    const long outstanding = pool.outstanding();
+    auto body = [&]() -> task<bool> {
+        check(cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st.get()),
+              "launch_wait_flag");
+        check(cudawait::testing::launch_spin(0, out.device, 0xE4E27u, st.get()), "launch_spin");
+        auto ev = std::make_unique<cudawait::event>();
+        ev->record(st);
+        try {
+            co_await with_timeout(*ev, 30ms);
+        } catch (const timeout_error&) {
+            ev.reset();  // destroyed while its work is pending
+            co_return true;
+        }
+        co_return false;
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
+    for (int i = 0; i < 100; ++i) {
+        (void)s.poll();
+    }
+    EXPECT_EQ(s.pending().event_waits, 1u) << "the wait ended before the work did";
+    EXPECT_EQ(out.read(0), 0xBADC0DEu) << "the kernel must still be waiting for the flag";
+    reinterpret_cast<volatile std::uint32_t*>(flag.host)[0] = 1;
+    s.run();
+    EXPECT_EQ(out.read(0), 0xE4E27u);
+    EXPECT_EQ(s.pending().event_waits, 0u);
+    EXPECT_EQ(pool.outstanding(), outstanding);
+}
+
+// A wait on an event whose work never finished does not hold up a later one: the relay stream of
+// the first is not reused while its wait is unsatisfied.
+TEST_F(scheduler_gpu, with_timeout_of_an_event_does_not_wait_behind_an_unfinished_one) {
+    scheduler s;
+    stream slow;
+    stream quick;
+    mapped_words flag(1);
+    mapped_words out(1);
+    flag.host[0] = 0;
+    cudawait::event slow_done;
+    cudawait::event quick_done;
+    auto body = [&]() -> task<bool> {
+        check(cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, slow.get()),
+              "launch_wait_flag");
+        slow_done.record(slow);
+        bool first_timed_out = false;
+        try {
+            co_await with_timeout(slow_done, 30ms);
+        } catch (const timeout_error&) {
+            first_timed_out = true;
+        }
+        check(cudawait::testing::launch_spin(1'000'000, out.device, 0x9A1u, quick.get()),
+              "launch_spin");
+        quick_done.record(quick);
+        co_await with_timeout(quick_done, 20s);
+        co_return first_timed_out && out.read(0) == 0x9A1u && !slow.ready();
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
+    reinterpret_cast<volatile std::uint32_t*>(flag.host)[0] = 1;
+    s.run();
+    EXPECT_EQ(s.pending().event_waits, 0u);
+    EXPECT_TRUE(slow.ready());
 }
 
 TEST_F(scheduler_gpu, sleeping_policy_still_resumes) {

@@ -4,6 +4,9 @@
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
 
+#include "this_scheduler_cases.hpp"
+
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -116,14 +119,34 @@ TEST(task, awaiting_moved_from_or_twice_is_a_usage_error) {
 
 TEST(task, children_inherit_the_scheduler) {
     scheduler s;
-    auto child = []() -> task<scheduler*> { co_return &(co_await cudawait::this_scheduler()); };
+    auto child = []() -> task<scheduler*> {
+        scheduler& mine = co_await cudawait::this_scheduler();
+        co_return &mine;
+    };
     auto parent = [&]() -> task<bool> {
-        scheduler* mine = &(co_await cudawait::this_scheduler());
+        scheduler& mine_ref = co_await cudawait::this_scheduler();
+        scheduler* mine = &mine_ref;
         scheduler* theirs = co_await child();
         scheduler* as_pointer = co_await cudawait::this_scheduler_ptr();
         co_return mine == &s && theirs == &s && as_pointer == &s;
     };
     EXPECT_TRUE(sync_wait(s, parent()));
+}
+
+TEST(task, this_scheduler_binds_to_a_scheduler_reference) {
+    // The same cases task_cuda_test.cu runs under nvcc.
+    EXPECT_EQ(cudawait::testing::run_this_scheduler_cases(), 0);
+}
+
+TEST(task, this_scheduler_yields_a_wrapper_that_converts_to_the_reference) {
+    scheduler s;
+    auto body = [&]() -> task<bool> {
+        auto kept = co_await cudawait::this_scheduler();
+        static_assert(std::is_same_v<decltype(kept), std::reference_wrapper<scheduler>>);
+        scheduler& bound = kept;
+        co_return &kept.get() == &s && &bound == &s;
+    };
+    EXPECT_TRUE(sync_wait(s, body()));
 }
 
 TEST(task, awaiting_gpu_work_without_a_scheduler_is_a_usage_error) {

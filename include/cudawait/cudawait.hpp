@@ -1,7 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The whole library. Each header can also be included on its own.
+// Synopsis
+//   The whole library, plus <cuda_runtime.h>. Each header can also be included on its own.
+//
+// The umbrella includes <cuda_runtime.h> (host compilers accept it), so a .cpp file that
+// includes only this header also has the runtime's typed C++ overloads, such as
+// `cudaMalloc(&float_ptr, bytes)`, `cudaMallocAsync(&float_ptr, bytes, stream)` and
+// `cudaMallocHost(&float_ptr, bytes)`. The individual headers include only <cuda_runtime_api.h>.
 
 #include <cudawait/copy.hpp>
 #include <cudawait/device.hpp>
@@ -20,3 +26,5 @@
 #include <cudawait/trace.hpp>
 #include <cudawait/version.hpp>
 #include <cudawait/when_all.hpp>
+
+#include <cuda_runtime.h>

@@ -9,6 +9,9 @@
 //
 // Every CUDA call the library makes goes through check() (or a try_ variant on noexcept paths).
 
+// First: fails a build that is not C++20 with a message that says so.
+#include <cudawait/detail/config.hpp>
+
 #include <chrono>
 #include <cstdio>
 #include <source_location>

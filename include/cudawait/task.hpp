@@ -3,7 +3,8 @@
 
 // Synopsis
 //   template <class T = void> class task;   lazy, move-only coroutine; `co_await` it for its value
-//   this_scheduler()                         inside a task: `scheduler& s = co_await this_scheduler();`
+//   this_scheduler()      inside a task: `scheduler& s = co_await this_scheduler();` (.cpp and .cu)
+//   this_scheduler_ptr()  the same as a pointer: `scheduler* s = co_await this_scheduler_ptr();`
 //
 // A task starts only when awaited (or handed to sync_wait / a scope). It inherits the scheduler
 // of the coroutine that awaits it, and its promise routes `co_await` on streams, events, timers
@@ -17,6 +18,7 @@
 #include <concepts>
 #include <coroutine>
 #include <exception>
+#include <functional>
 #include <source_location>
 #include <type_traits>
 #include <utility>
@@ -308,11 +310,15 @@ inline auto task_promise<void>::get_return_object() noexcept {
 /// `co_await this_scheduler()` yields the scheduler the awaiting coroutine runs on.
 struct this_scheduler_t {};
 
+/// Yields a std::reference_wrapper, not a `scheduler&`: nvcc 13.0's front end (EDG) treats every
+/// `co_await` expression as a prvalue, whatever await_resume returns, so a reference result
+/// cannot bind to `scheduler&` in a .cu file ("initial value of reference to non-const must be
+/// an lvalue"). The wrapper prvalue converts to `scheduler&` under every compiler.
 struct this_scheduler_awaiter {
     scheduler* m_scheduler;
     bool await_ready() const noexcept { return true; }
     void await_suspend(std::coroutine_handle<>) const noexcept {}
-    scheduler& await_resume() const noexcept { return *m_scheduler; }
+    std::reference_wrapper<scheduler> await_resume() const noexcept { return *m_scheduler; }
 };
 
 inline this_scheduler_awaiter await_on(promise_base& p, this_scheduler_t, std::source_location) {
@@ -343,13 +349,13 @@ using awaited_t = decltype(get_awaiter(std::declval<await_result_t<A>>()).await_
 
 } // namespace detail
 
-/// Inside a library coroutine: `scheduler& s = co_await this_scheduler();`.
+/// Inside a library coroutine: `scheduler& s = co_await this_scheduler();`, in .cpp and .cu files
+/// alike. The `co_await` yields a `std::reference_wrapper<scheduler>`, which converts to
+/// `scheduler&` (`auto s = co_await this_scheduler();` keeps the wrapper; use `s.get()`).
 /// @throws usage_error when the coroutine runs without a scheduler
 [[nodiscard]] constexpr detail::this_scheduler_t this_scheduler() noexcept { return {}; }
 
-/// The same as a pointer: `scheduler* s = co_await this_scheduler_ptr();`. In `.cu` files use
-/// this one: nvcc 13.0's front end takes the reference `co_await this_scheduler()` yields for an
-/// rvalue, and rejects binding it to `scheduler&`.
+/// The same as a pointer: `scheduler* s = co_await this_scheduler_ptr();`.
 /// @throws usage_error when the coroutine runs without a scheduler
 [[nodiscard]] constexpr detail::this_scheduler_ptr_t this_scheduler_ptr() noexcept { return {}; }
 

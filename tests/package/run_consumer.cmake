@@ -14,6 +14,14 @@
 #         [-DCONFIG=<cfg>] -P run_consumer.cmake
 #       Configures (-C INIT_CACHE), builds and runs (ctest) a consumer CMake project.
 #
+#   cmake -DMODE=bare -DSOURCE_DIR=<cudawait source> -DBINARY_DIR=<dir> -DPREFIX=<dir>
+#         -DINIT_CACHE=<file> -DGENERATOR=<name> [-DPLATFORM=<p>] [-DTOOLSET=<t>] [-DCONFIG=<cfg>]
+#         -P run_consumer.cmake
+#       Configures cudawait itself as a top-level project with its default options, on a machine
+#       made to lack GoogleTest and Google Benchmark (CMAKE_DISABLE_FIND_PACKAGE_<name>): the
+#       configure must succeed and warn, naming each package; then builds the demo (the pipeline
+#       example) and installs into PREFIX.
+#
 #   cmake -DMODE=vendored -DSOURCE_DIR=<cudawait source> -DCONSUMER_DIR=<consumer sources>
 #         -DBINARY_DIR=<dir> -DSETTINGS=<file> -P run_consumer.cmake
 #       Copies include/ and the consumer sources into BINARY_DIR and builds them with bare
@@ -75,7 +83,8 @@ if(MODE STREQUAL "install")
 
   # The package files find_package(cudawait CONFIG) reads.
   if(LIBDIR AND NOT IS_ABSOLUTE "${LIBDIR}")
-    foreach(f cudawaitConfig.cmake cudawaitConfigVersion.cmake cudawaitTargets.cmake cudawaitCccl.cmake)
+    foreach(f cudawaitConfig.cmake cudawaitConfigVersion.cmake cudawaitTargets.cmake cudawaitCccl.cmake
+        cudawaitCuda20.cmake)
       if(NOT EXISTS "${PREFIX}/${LIBDIR}/cmake/cudawait/${f}")
         message(FATAL_ERROR "install did not create ${PREFIX}/${LIBDIR}/cmake/cudawait/${f}")
       endif()
@@ -129,6 +138,47 @@ elseif(MODE STREQUAL "project")
   run_step("run the ${name} consumer"
     "${CMAKE_CTEST_COMMAND}" --test-dir "${BINARY_DIR}" ${test_config} --verbose --no-tests=error)
 
+elseif(MODE STREQUAL "bare")
+  require(SOURCE_DIR BINARY_DIR PREFIX INIT_CACHE GENERATOR)
+  fresh_dir("${BINARY_DIR}")
+  file(REMOVE_RECURSE "${PREFIX}")
+  set(configure_args -S "${SOURCE_DIR}" -B "${BINARY_DIR}" -C "${INIT_CACHE}" -G "${GENERATOR}"
+    -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON -DCMAKE_DISABLE_FIND_PACKAGE_benchmark=ON)
+  if(PLATFORM)
+    list(APPEND configure_args -A "${PLATFORM}")
+  endif()
+  if(TOOLSET)
+    list(APPEND configure_args -T "${TOOLSET}")
+  endif()
+  message(STATUS "==> configure cudawait without GoogleTest and Google Benchmark")
+  execute_process(COMMAND "${CMAKE_COMMAND}" ${configure_args} COMMAND_ECHO STDOUT
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  message("${out}")
+  if(NOT rc STREQUAL "0")
+    message(FATAL_ERROR "configuring cudawait failed without GoogleTest and Google Benchmark "
+      "(exit status ${rc}); neither may be needed by the library, the examples or the install")
+  endif()
+  # Each package left out is named, with what it costs.
+  string(REGEX REPLACE "[ \t\r\n]+" " " flat "${out}")
+  foreach(expect "GoogleTest \\(find_package\\(GTest\\)[^)]*\\) was not found, so the unit tests are not built"
+      "Google Benchmark \\(find_package\\(benchmark\\)[^)]*\\) was not found, so the benchmarks are not built")
+    if(NOT flat MATCHES "${expect}")
+      message(FATAL_ERROR "the configure output does not say: ${expect}")
+    endif()
+  endforeach()
+  set(build_config "")
+  if(CONFIG)
+    set(build_config --config "${CONFIG}")
+  endif()
+  run_step("build the demo (pipeline example) without GoogleTest and Google Benchmark"
+    "${CMAKE_COMMAND}" --build "${BINARY_DIR}" --target pipeline_example ${build_config})
+  run_step("install without GoogleTest and Google Benchmark"
+    "${CMAKE_COMMAND}" --install "${BINARY_DIR}" --prefix "${PREFIX}" ${build_config})
+  file(GLOB_RECURSE configs "${PREFIX}/*/cudawaitConfig.cmake")
+  if(NOT EXISTS "${PREFIX}/include/cudawait/cudawait.hpp" OR NOT configs)
+    message(FATAL_ERROR "the install into ${PREFIX} lacks cudawait.hpp or cudawaitConfig.cmake")
+  endif()
+
 elseif(MODE STREQUAL "vendored")
   require(SOURCE_DIR CONSUMER_DIR BINARY_DIR SETTINGS)
   # Sets VENDORED_CXX, VENDORED_NVCC, VENDORED_CUDA_HOST_COMPILER, VENDORED_CUDA_INCLUDE_DIRS,
@@ -167,5 +217,5 @@ elseif(MODE STREQUAL "vendored")
   run_step("run the vendored consumer built by nvcc" "${BINARY_DIR}/consumer_cuda")
 
 else()
-  message(FATAL_ERROR "run_consumer.cmake: unknown MODE '${MODE}' (install, project or vendored)")
+  message(FATAL_ERROR "run_consumer.cmake: unknown MODE '${MODE}' (install, project, bare or vendored)")
 endif()

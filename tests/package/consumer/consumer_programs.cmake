@@ -1,27 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
-# The two consumer programs, shared by the find_package and add_subdirectory consumer projects:
+# The consumer programs, shared by the find_package and add_subdirectory consumer projects:
 # include() it after cudawait::cudawait exists, with CONSUMER_EXPECTED_VERSION set.
+#
+# The .cu program is built three ways a project may ask for C++20, each of which must work with
+# every CMake the project supports (3.25.1 in CI, which does not know nvcc's C++20 flag by
+# itself):
+#   app_cuda_plain    nothing set: cudawait::cudawait's cxx_std_20 makes the .cu C++20
+#   app_cuda          CMAKE_CXX_STANDARD 20 + CMAKE_CXX_STANDARD_REQUIRED ON (CUDA follows CXX)
+#   app_cuda_cudastd  CMAKE_CUDA_STANDARD 20 + CMAKE_CUDA_STANDARD_REQUIRED ON
+# app_host is the .cpp program, under CMAKE_CXX_STANDARD 20. No target gets -std by hand.
 
-# cudawait needs C++20 in .cu files too. CMake before 3.26 has no CUDA_STANDARD 20 for nvcc, so
-# there the flag goes in by hand.
-if(DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
-  set(CMAKE_CUDA_STANDARD 20)
-  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
-  set(_cuda_std "")
-else()
-  set(_cuda_std -std=c++20)
-endif()
+set(_consumer_dir ${CMAKE_CURRENT_LIST_DIR})
 
-add_executable(app_host ${CMAKE_CURRENT_LIST_DIR}/consumer.cpp)
-add_executable(app_cuda ${CMAKE_CURRENT_LIST_DIR}/consumer.cu)
-foreach(app app_host app_cuda)
+# Targets take these variables' values when they are created, so the plain one comes first.
+add_executable(app_cuda_plain ${_consumer_dir}/consumer.cu)
+
+set(CMAKE_CXX_STANDARD 20)
+set(CMAKE_CXX_STANDARD_REQUIRED ON)
+add_executable(app_host ${_consumer_dir}/consumer.cpp)
+add_executable(app_cuda ${_consumer_dir}/consumer.cu)
+
+set(CMAKE_CUDA_STANDARD 20)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+add_executable(app_cuda_cudastd ${_consumer_dir}/consumer.cu)
+
+enable_testing()
+foreach(app app_host app_cuda_plain app_cuda app_cuda_cudastd)
   target_link_libraries(${app} PRIVATE cudawait::cudawait)
   target_compile_definitions(${app} PRIVATE CONSUMER_EXPECTED_VERSION="${CONSUMER_EXPECTED_VERSION}")
   target_compile_options(${app} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror>
-    $<$<COMPILE_LANGUAGE:CUDA>:${_cuda_std} -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror>)
+    $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror>)
+  add_test(NAME ${app} COMMAND ${app})
 endforeach()
-
-enable_testing()
-add_test(NAME app_host COMMAND app_host)
-add_test(NAME app_cuda COMMAND app_cuda)
