@@ -1,28 +1,32 @@
 // SPDX-License-Identifier: Apache-2.0
 // The cuda::mr properties of CCCL 3.0 are declared only behind this switch.
 #define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+#include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
-
-#include "gpu_fixture.hpp"
-#include "host_pool.hpp"
-#include "no_device.hpp"
-#include "test_kernels.hpp"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory_resource>
+#include <mutex>
 #include <random>
 #include <set>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "host_pool.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -39,8 +43,8 @@ using cudawait::use_token;
 static_assert(cuda::mr::synchronous_resource_with<pinned_pool, cuda::mr::host_accessible,
                                                   cuda::mr::device_accessible>);
 #else
-static_assert(cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible,
-                                      cuda::mr::device_accessible>);
+static_assert(
+    cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible, cuda::mr::device_accessible>);
 #endif
 #endif
 static_assert(std::is_base_of_v<std::pmr::memory_resource, pinned_pool>);
@@ -48,6 +52,7 @@ static_assert(std::is_base_of_v<std::bad_alloc, pool_exhausted>);
 
 using cudawait::testing::fake_stream;
 using cudawait::testing::host_pool;
+using cudawait::testing::timed_tracker;
 
 void fill(void* p, std::size_t n, std::uint8_t v) { std::memset(p, v, n); }
 bool all_equal(const void* p, std::size_t n, std::uint8_t v) {
@@ -64,7 +69,8 @@ TEST(block_heap, random_workload_keeps_blocks_disjoint_aligned_and_coalesces_ful
     test_heap heap;
     // Two regions at fake, 2 MiB-aligned addresses: the heap never touches the memory.
     auto* base1 = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
-    auto* base2 = reinterpret_cast<std::byte*>((std::uintptr_t{1} << 40) + (std::uintptr_t{1} << 34));
+    auto* base2 =
+        reinterpret_cast<std::byte*>((std::uintptr_t{1} << 40) + (std::uintptr_t{1} << 34));
     auto* r1 = heap.add_region(base1, 256_MiB);
     auto* r2 = heap.add_region(base2, 64_MiB);
     std::mt19937_64 rng(7);
@@ -271,9 +277,9 @@ TEST(pinned_pool, every_stream_that_used_a_block_must_finish) {
     host_pool h;
     pinned_pool pool(h.options());
     auto* a = static_cast<std::byte*>(pool.allocate(4_MiB));
-    pool.record_use(a, fake_stream(1));            // mark 0
-    pool.record_use(a + 12345, fake_stream(2));    // mark 1: an interior pointer counts
-    pool.record_use(a, fake_stream(1));            // mark 2 replaces mark 0 (same stream)
+    pool.record_use(a, fake_stream(1));         // mark 0
+    pool.record_use(a + 12345, fake_stream(2)); // mark 1: an interior pointer counts
+    pool.record_use(a, fake_stream(1));         // mark 2 replaces mark 0 (same stream)
     EXPECT_EQ(h.tracker->outstanding, 2);
     pool.deallocate(a);
     h.tracker->complete(2);
@@ -393,6 +399,31 @@ TEST(pinned_pool, stats_count_hits_misses_growth_and_peaks) {
     EXPECT_EQ(pool.release_unused(), 328_MiB);
     EXPECT_EQ(pool.stats().reserved_bytes, 0u);
     EXPECT_EQ(h.slabs->live_bytes(), 0u);
+}
+
+TEST(pinned_pool, stats_track_the_peaks_of_pending_and_of_in_use_plus_pending) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    void* a = pool.allocate(1_MiB);
+    void* b = pool.allocate(2_MiB);
+    pool.record_use(a, fake_stream(1));
+    pool.deallocate(a); // 2 MiB in use, 1 MiB pending
+    void* c = pool.allocate(3_MiB);
+    auto s1 = pool.stats();
+    EXPECT_EQ(s1.pending_bytes, 1_MiB);
+    EXPECT_EQ(s1.peak_pending_bytes, 1_MiB);
+    EXPECT_EQ(s1.peak_in_use_and_pending_bytes, 6_MiB);
+    h.tracker->complete(0);
+    EXPECT_EQ(pool.collect(), 1_MiB);
+    pool.deallocate(b);
+    pool.deallocate(c);
+    void* d = pool.allocate(4_MiB); // below the peak: the peaks stay
+    auto s2 = pool.stats();
+    EXPECT_EQ(s2.pending_bytes, 0u);
+    EXPECT_EQ(s2.peak_pending_bytes, 1_MiB);
+    EXPECT_EQ(s2.peak_in_use_and_pending_bytes, 6_MiB);
+    EXPECT_EQ(s2.peak_in_use_bytes, 5_MiB);
+    pool.deallocate(d);
 }
 
 TEST(pinned_pool, size_for_follows_the_stages_times_batch_times_two_rule) {

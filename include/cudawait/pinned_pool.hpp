@@ -315,6 +315,10 @@ struct pinned_pool_stats {
     std::size_t peak_requested_bytes = 0; ///< with peak_reserved_bytes: the pool's waste
     std::size_t peak_reserved_bytes = 0;
     std::size_t pending_bytes = 0; ///< freed, waiting for the GPU to finish with them
+    std::size_t peak_pending_bytes = 0;
+    /// The peak of in_use_bytes + pending_bytes: what the pool had to hold at once. Reserved
+    /// bytes far above it mean the pool grew where it could have reused memory.
+    std::size_t peak_in_use_and_pending_bytes = 0;
     std::size_t blocks_in_use = 0;
     std::uint64_t hits = 0;   ///< requests served without growing
     std::uint64_t misses = 0; ///< requests that grew the pool
@@ -456,6 +460,7 @@ public:
         }
         m_pending_tail = b;
         m_pending_bytes += b->size;
+        m_peak_pending = std::max(m_peak_pending, m_pending_bytes);
     }
     /// The cuda::mr / std::pmr form; size and alignment are not needed.
     void deallocate(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
@@ -608,6 +613,8 @@ public:
         s.peak_requested_bytes = m_peak_requested;
         s.peak_reserved_bytes = m_peak_reserved;
         s.pending_bytes = m_pending_bytes;
+        s.peak_pending_bytes = m_peak_pending;
+        s.peak_in_use_and_pending_bytes = m_peak_held;
         s.blocks_in_use = m_used.size();
         s.hits = m_hits;
         s.misses = m_misses;
@@ -663,6 +670,7 @@ private:
         m_requested += requested;
         m_peak_in_use = std::max(m_peak_in_use, m_in_use);
         m_peak_requested = std::max(m_peak_requested, m_requested);
+        m_peak_held = std::max(m_peak_held, m_in_use + m_pending_bytes);
         return b->ptr;
     }
 
@@ -811,6 +819,8 @@ private:
     std::size_t m_peak_requested = 0;
     std::size_t m_peak_reserved = 0;
     std::size_t m_pending_bytes = 0;
+    std::size_t m_peak_pending = 0;
+    std::size_t m_peak_held = 0; ///< of in use + pending
     std::uint64_t m_hits = 0;
     std::uint64_t m_misses = 0;
     std::uint64_t m_growth_count = 0;
