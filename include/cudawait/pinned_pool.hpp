@@ -25,7 +25,9 @@
 #include <cudawait/detail/block_heap.hpp>
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -353,7 +355,15 @@ struct pool_block_extra {
 /// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary.
 ///
 /// A freed block on which record_use() was called is handed out again only once every stream
-/// that used it passed the recorded point. Thread-safe; CUDA calls are made outside the lock.
+/// that used it passed the recorded point. Until then it is pending. Pending blocks are checked
+/// (one query per recorded use) when a request finds no free block, and by record_use() once
+/// pending bytes or blocks have doubled since the last check (a slab's eighth or 32 blocks at
+/// least), so checks cost O(1) per block and pending blocks whose uses completed do not pile up.
+///
+/// When a request finds no free block, the pool grows only after a check that saw every block
+/// pending at that moment, and one thread grows it at a time: threads that miss together wait
+/// for the check or the growth in progress and look again. Thread-safe; CUDA calls are made
+/// outside the lock, and the hit path (free memory cached) takes one lock and makes no call.
 class pinned_pool : public std::pmr::memory_resource {
 public:
     /// The smallest alignment and size step of a block.
@@ -373,6 +383,7 @@ public:
             throw usage_error("pinned_pool: slab_bytes must be non-zero");
         }
         m_options.slab_bytes = heap::round_up(m_options.slab_bytes, slab_alignment);
+        m_check_at_bytes = m_options.slab_bytes / 8;
     }
 
     pinned_pool(const pinned_pool&) = delete;
@@ -449,6 +460,7 @@ public:
         block* b = take_back(p);
         if (b->uses.empty()) {
             m_heap.free(b);
+            notify_waiters();
             return;
         }
         b->pending = true;
@@ -460,6 +472,7 @@ public:
         }
         m_pending_tail = b;
         m_pending_bytes += b->size;
+        ++m_pending_blocks;
         m_peak_pending = std::max(m_peak_pending, m_pending_bytes);
     }
     /// The cuda::mr / std::pmr form; size and alignment are not needed.
@@ -492,6 +505,12 @@ public:
             if (!replaced) {
                 b->uses.emplace_back(s.get(), t);
             }
+            // Pending blocks have doubled since the last check: check them now, so that those
+            // whose uses completed are reused before the pool runs out of free memory.
+            if (!m_collecting &&
+                (m_pending_bytes >= m_check_at_bytes || m_pending_blocks >= m_check_at_blocks)) {
+                collect_pass(lock);
+            }
         }
         if (replaced) {
             m_options.tracker->release(old);
@@ -507,100 +526,35 @@ public:
     /// Grows the pool until it holds at least `bytes` page-locked bytes.
     /// @throws pool_exhausted past the cap; cuda_error or std::bad_alloc from the upstream
     void reserve(std::size_t bytes) {
+        std::unique_lock lock(m_mutex);
         for (;;) {
-            std::size_t step = 0;
-            {
-                std::lock_guard lock(m_mutex);
-                std::size_t held = m_reserved + m_growing;
-                if (held >= bytes) {
-                    return;
-                }
-                step = std::min(heap::round_up(bytes - held, slab_alignment),
-                                registered_slab_source::max_slab_bytes);
-                if (held + step > m_options.max_pinned_bytes) {
-                    throw pool_exhausted(bytes - held, m_in_use, m_options.max_pinned_bytes);
-                }
-                m_growing += step;
+            std::size_t held = m_reserved + m_growing;
+            if (held >= bytes) {
+                return;
             }
-            grow(step);
+            std::size_t step = std::min(heap::round_up(bytes - held, slab_alignment),
+                                        registered_slab_source::max_slab_bytes);
+            if (held + step > m_options.max_pinned_bytes) {
+                throw pool_exhausted(bytes - held, m_in_use, m_options.max_pinned_bytes);
+            }
+            grow(lock, step);
         }
     }
 
     /// Moves blocks whose recorded uses completed back into circulation (this also happens on
-    /// its own before the pool grows). Returns the bytes made free.
+    /// its own, see the class comment). Waits for a check another thread is making, then makes
+    /// one. Returns the bytes made free by this call's check.
     std::size_t collect() {
-        block* list = nullptr;
-        {
-            std::lock_guard lock(m_mutex);
-            list = m_pending_head;
-            m_pending_head = m_pending_tail = nullptr;
-        }
-        if (list == nullptr) {
-            return 0;
-        }
-        std::vector<block*> done;
-        std::vector<block*> waiting;
-        for (block* b = list; b != nullptr; b = static_cast<block*>(b->next_pending)) {
-            (all_done(b) ? done : waiting).push_back(b);
-        }
-        std::vector<use_token> tokens;
-        std::size_t freed = 0;
-        {
-            std::lock_guard lock(m_mutex);
-            for (block* b : done) {
-                for (auto& u : b->uses) {
-                    tokens.push_back(u.second);
-                }
-                b->uses.clear();
-                b->pending = false;
-                m_pending_bytes -= b->size;
-                freed += b->size;
-                m_heap.free(b);
-            }
-            // Still pending: back in front of anything freed meanwhile, in their old order.
-            block* head = nullptr;
-            for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
-                (*it)->next_pending = head;
-                head = *it;
-            }
-            if (head != nullptr) {
-                waiting.back()->next_pending = m_pending_head;
-                if (m_pending_head == nullptr) {
-                    m_pending_tail = waiting.back();
-                }
-                m_pending_head = head;
-            }
-        }
-        for (use_token t : tokens) {
-            m_options.tracker->release(t);
-        }
-        return freed;
+        std::unique_lock lock(m_mutex);
+        wait_while(lock, [this] { return m_collecting; });
+        return collect_pass(lock);
     }
 
     /// Gives slabs with nothing handed out or pending back to the upstream. Returns the bytes.
     std::size_t release_unused() {
         collect();
-        std::vector<std::pair<void*, std::size_t>> slabs;
-        {
-            std::lock_guard lock(m_mutex);
-            std::vector<heap::region*> unused;
-            for (const auto& r : m_heap.regions()) {
-                if (heap::region_unused(r.get())) {
-                    unused.push_back(r.get());
-                }
-            }
-            for (heap::region* r : unused) {
-                slabs.emplace_back(r->base, r->bytes);
-                m_reserved -= r->bytes;
-                m_heap.remove_region(r);
-            }
-        }
-        std::size_t bytes = 0;
-        for (auto [p, n] : slabs) {
-            m_options.upstream->deallocate(p, n);
-            bytes += n;
-        }
-        return bytes;
+        std::unique_lock lock(m_mutex);
+        return release_unused(lock);
     }
 
     [[nodiscard]] pinned_pool_stats stats() const {
@@ -700,83 +654,216 @@ private:
         return b;
     }
 
-    bool all_done(block* b) {
+    // True when every recorded use of `b` completed. Never throws: a query that fails leaves
+    // the block pending, except after a sticky error (the context is broken, the device
+    // touches no memory any more, and the error resurfaces at the next CUDA call).
+    bool all_done(block* b) noexcept {
         for (auto& u : b->uses) {
             try {
                 if (!m_options.tracker->done(u.second)) {
                     return false;
                 }
             } catch (const cuda_error& e) {
-                // The context is broken: the device touches no memory any more, so the block is
-                // safe to reuse. The error itself resurfaces at the next CUDA call.
+                if (!e.sticky()) {
+                    return false;
+                }
                 std::fprintf(stderr, "cudawait: pinned_pool: %s\n", e.what());
+            } catch (const std::exception& e) {
+                std::fprintf(stderr, "cudawait: pinned_pool: use_tracker::done: %s\n", e.what());
+                return false;
             }
         }
         return true;
     }
 
-    void* allocate_slow(std::size_t bytes, std::size_t size, std::size_t align) {
-        bool released = false;
-        for (;;) {
-            collect();
-            std::size_t step = 0;
-            {
-                std::lock_guard lock(m_mutex);
-                if (block* b = m_heap.allocate(size, align)) {
-                    ++m_hits;
-                    return hand_out(b, bytes);
-                }
-                std::size_t need = heap::round_up(size, slab_alignment);
-                std::size_t held = m_reserved + m_growing;
-                std::size_t cap = m_options.max_pinned_bytes;
-                if (held + need <= cap) {
-                    step = std::min(std::max(need, m_options.slab_bytes), cap - held);
-                    step = step / slab_alignment * slab_alignment;
-                    m_growing += step;
-                } else if (released) {
-                    throw pool_exhausted(bytes, m_in_use, cap);
-                }
-            }
-            if (step == 0) {
-                // At the cap: hand cached slabs back, then try once more.
-                release_unused();
-                released = true;
-                continue;
-            }
-            grow(step);
-            std::lock_guard lock(m_mutex);
-            if (block* b = m_heap.allocate(size, align)) {
-                ++m_misses;
-                return hand_out(b, bytes);
-            }
-            // Another thread took the new memory first: go round again.
+    // Waits on the pool's condition until `pred` is false. Under the lock.
+    template <class Pred>
+    void wait_while(std::unique_lock<std::mutex>& lock, Pred pred) {
+        while (pred()) {
+            ++m_waiters;
+            m_cv.wait(lock);
+            --m_waiters;
         }
     }
 
-    // `step` was added to m_growing under the lock by the caller.
-    void grow(std::size_t step) {
+    // Under the lock. No system call unless a thread waits.
+    void notify_waiters() noexcept {
+        if (m_waiters != 0) {
+            m_cv.notify_all();
+        }
+    }
+
+    // One check of every pending block: those whose uses completed go back to the heap. Called
+    // and returns with `lock` held and no other check running; the tracker is queried without
+    // the lock. Meanwhile m_collecting tells other threads that the pending blocks are being
+    // looked at, so that they wait for the outcome instead of taking the pool for exhausted.
+    std::size_t collect_pass(std::unique_lock<std::mutex>& lock) noexcept {
+        assert(!m_collecting);
+        block* list = std::exchange(m_pending_head, nullptr);
+        m_pending_tail = nullptr;
+        if (list == nullptr) {
+            return 0;
+        }
+        m_collecting = true;
+        ++m_checks_started;
+        lock.unlock();
+        block* done = nullptr;
+        block* waiting = nullptr;
+        block* waiting_tail = nullptr;
+        for (block* b = list; b != nullptr;) {
+            auto* next = static_cast<block*>(b->next_pending);
+            if (all_done(b)) {
+                // Out of every list and owned by this check alone until it is freed below.
+                for (auto& u : b->uses) {
+                    m_options.tracker->release(u.second);
+                }
+                b->uses.clear();
+                b->next_pending = done;
+                done = b;
+            } else {
+                b->next_pending = nullptr;
+                if (waiting_tail != nullptr) {
+                    waiting_tail->next_pending = b;
+                } else {
+                    waiting = b;
+                }
+                waiting_tail = b;
+            }
+            b = next;
+        }
+        lock.lock();
+        std::size_t freed = 0;
+        for (block* b = done; b != nullptr;) {
+            auto* next = static_cast<block*>(b->next_pending);
+            b->pending = false;
+            b->next_pending = nullptr;
+            m_pending_bytes -= b->size;
+            --m_pending_blocks;
+            freed += b->size;
+            m_heap.free(b);
+            b = next;
+        }
+        // Still pending: back in front of anything freed meanwhile, in their old order.
+        if (waiting != nullptr) {
+            waiting_tail->next_pending = m_pending_head;
+            if (m_pending_head == nullptr) {
+                m_pending_tail = waiting_tail;
+            }
+            m_pending_head = waiting;
+        }
+        m_collecting = false;
+        ++m_checks_finished;
+        m_check_at_bytes = 2 * m_pending_bytes + m_options.slab_bytes / 8;
+        m_check_at_blocks = 2 * m_pending_blocks + 32;
+        notify_waiters();
+        return freed;
+    }
+
+    void* allocate_slow(std::size_t bytes, std::size_t size, std::size_t align) {
+        std::unique_lock lock(m_mutex);
+        // A check numbered `first_check` or later sees every block pending now.
+        const std::uint64_t first_check = m_checks_started + 1;
+        const std::size_t need = heap::round_up(size, slab_alignment);
+        const std::size_t cap = m_options.max_pinned_bytes;
+        bool released = false;
+        for (;;) {
+            if (block* b = m_heap.allocate(size, align)) {
+                ++m_hits;
+                return hand_out(b, bytes);
+            }
+            // Blocks whose uses completed, before anything else.
+            if (m_checks_finished < first_check && (m_collecting || m_pending_head != nullptr)) {
+                if (m_collecting) {
+                    wait_while(lock, [this] { return m_collecting; });
+                } else {
+                    collect_pass(lock);
+                }
+                continue;
+            }
+            // Another thread is growing the pool: its slab may serve this request too.
+            if (m_growing != 0) {
+                wait_while(lock, [this] { return m_growing != 0; });
+                continue;
+            }
+            if (m_reserved + need <= cap) {
+                std::size_t step = std::min(std::max(need, m_options.slab_bytes), cap - m_reserved);
+                grow(lock, step / slab_alignment * slab_alignment);
+                if (block* b = m_heap.allocate(size, align)) { // the new slab holds it
+                    ++m_misses;
+                    return hand_out(b, bytes);
+                }
+                continue;
+            }
+            // At the cap: hand cached slabs back, then try once more.
+            if (!released) {
+                released = true;
+                release_unused(lock);
+                continue;
+            }
+            throw pool_exhausted(bytes, m_in_use, cap);
+        }
+    }
+
+    // Adds a slab of `step` bytes. Called and returns with `lock` held; the upstream is called
+    // without it, and m_growing tells other threads that memory is on its way.
+    void grow(std::unique_lock<std::mutex>& lock, std::size_t step) {
+        m_growing += step;
+        lock.unlock();
         auto start = std::chrono::steady_clock::now();
         void* p = nullptr;
         try {
             p = m_options.upstream->allocate(step);
         } catch (...) {
-            std::lock_guard lock(m_mutex);
+            lock.lock();
             m_growing -= step;
+            notify_waiters();
             throw;
         }
         auto elapsed = std::chrono::steady_clock::now() - start;
-        std::lock_guard lock(m_mutex);
+        lock.lock();
         m_growing -= step;
+        notify_waiters();
         try {
             m_heap.add_region(static_cast<std::byte*>(p), step);
         } catch (...) {
+            lock.unlock();
             m_options.upstream->deallocate(p, step);
+            lock.lock();
             throw;
         }
         m_reserved += step;
         m_peak_reserved = std::max(m_peak_reserved, m_reserved);
         ++m_growth_count;
         m_growth_time += std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
+    }
+
+    // Gives unused slabs back to the upstream. Called and returns with `lock` held; the
+    // upstream is called without it.
+    std::size_t release_unused(std::unique_lock<std::mutex>& lock) {
+        std::vector<std::pair<void*, std::size_t>> slabs;
+        std::vector<heap::region*> unused;
+        for (const auto& r : m_heap.regions()) {
+            if (heap::region_unused(r.get())) {
+                unused.push_back(r.get());
+            }
+        }
+        slabs.reserve(unused.size());
+        for (heap::region* r : unused) {
+            slabs.emplace_back(r->base, r->bytes);
+            m_reserved -= r->bytes;
+            m_heap.remove_region(r);
+        }
+        if (slabs.empty()) {
+            return 0;
+        }
+        lock.unlock();
+        std::size_t bytes = 0;
+        for (auto [p, n] : slabs) {
+            m_options.upstream->deallocate(p, n);
+            bytes += n;
+        }
+        lock.lock();
+        return bytes;
     }
 
     void drain_pending() noexcept {
@@ -800,6 +887,7 @@ private:
             b->uses.clear();
             b->pending = false;
             m_pending_bytes -= b->size;
+            --m_pending_blocks;
             m_heap.free(b);
             b = next;
         }
@@ -807,10 +895,18 @@ private:
 
     pinned_pool_options m_options;
     mutable std::mutex m_mutex;
+    std::condition_variable m_cv; ///< a check or a growth finished, or a block was freed
+    std::size_t m_waiters = 0;    ///< threads waiting on m_cv
     heap m_heap;
     detail::ptr_map<block*> m_used;
-    block* m_pending_head = nullptr;
+    block* m_pending_head = nullptr; ///< oldest first
     block* m_pending_tail = nullptr;
+    std::size_t m_pending_blocks = 0;
+    bool m_collecting = false; ///< a check is querying the pending blocks it took out
+    std::uint64_t m_checks_started = 0;
+    std::uint64_t m_checks_finished = 0;
+    std::size_t m_check_at_bytes = 0; ///< record_use checks pending blocks from here on
+    std::size_t m_check_at_blocks = 32;
     std::size_t m_in_use = 0;
     std::size_t m_requested = 0;
     std::size_t m_reserved = 0;
