@@ -340,10 +340,13 @@ TEST(pinned_pool, past_the_cap_throws_pool_exhausted_with_the_figures) {
     } catch (const pool_exhausted& e) {
         EXPECT_EQ(e.requested(), 60_MiB);
         EXPECT_EQ(e.in_use(), 100_MiB);
+        EXPECT_EQ(e.pending(), 0u);
         EXPECT_EQ(e.cap(), 128_MiB);
         std::string what = e.what();
-        EXPECT_NE(what.find(std::to_string(60_MiB)), std::string::npos) << what;
-        EXPECT_NE(what.find(std::to_string(128_MiB)), std::string::npos) << what;
+        EXPECT_NE(what.find("requested " + std::to_string(60_MiB)), std::string::npos) << what;
+        EXPECT_NE(what.find(std::to_string(100_MiB) + " bytes in use"), std::string::npos) << what;
+        EXPECT_NE(what.find("0 bytes pending"), std::string::npos) << what;
+        EXPECT_NE(what.find("cap of " + std::to_string(128_MiB)), std::string::npos) << what;
     }
     EXPECT_THROW((void)pool.allocate(60_MiB), std::bad_alloc);
     // What was handed out is untouched and still usable.
@@ -352,6 +355,131 @@ TEST(pinned_pool, past_the_cap_throws_pool_exhausted_with_the_figures) {
     EXPECT_THROW(pool.reserve(1_GiB), pool_exhausted);
     pool.deallocate(a);
     EXPECT_NO_THROW(pool.deallocate(pool.allocate(60_MiB)));
+}
+
+// Seven 1 MiB blocks in use and one pending (a kernel still reads it) fill an 8 MiB cap.
+struct full_pool {
+    host_pool h;
+    pinned_pool pool;
+    std::vector<void*> held;
+    void* pending = nullptr;
+
+    explicit full_pool(std::chrono::nanoseconds cap_wait) : pool(options(h, cap_wait)) {
+        for (int i = 0; i < 7; ++i) {
+            held.push_back(pool.allocate(1_MiB));
+        }
+        pending = pool.allocate(1_MiB);
+        pool.record_use(pending, fake_stream(1)); // mark 0
+        pool.deallocate(pending);
+    }
+    ~full_pool() {
+        for (void* p : held) {
+            if (p != nullptr) {
+                pool.deallocate(p);
+            }
+        }
+    }
+    static pinned_pool_options options(host_pool& h, std::chrono::nanoseconds cap_wait) {
+        pinned_pool_options o = h.options(8_MiB, 64_MiB);
+        o.cap_wait = cap_wait;
+        return o;
+    }
+};
+
+TEST(pinned_pool, at_the_cap_a_request_waits_for_a_pending_block_to_come_back) {
+    full_pool f(std::chrono::seconds(60));
+    ASSERT_EQ(f.pool.stats().reserved_bytes, 8_MiB);
+    std::atomic<bool> completed{false};
+    std::thread gpu([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        completed = true;
+        f.h.tracker->complete(0);
+    });
+    void* p = nullptr;
+    EXPECT_NO_THROW(p = f.pool.allocate(1_MiB)) << "the pending block was not waited for";
+    EXPECT_TRUE(completed.load()) << "handed out before its use completed";
+    EXPECT_EQ(p, f.pending) << "the block that came back";
+    EXPECT_EQ(f.h.slabs->allocations, 1);
+    gpu.join();
+    if (p != nullptr) {
+        f.pool.deallocate(p);
+    }
+}
+
+TEST(pinned_pool, at_the_cap_a_free_from_another_thread_ends_the_wait) {
+    full_pool f(std::chrono::seconds(60)); // the pending block never completes
+    void* given_back = f.held[3];
+    std::thread other([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        f.pool.deallocate(given_back);
+    });
+    void* p = nullptr;
+    EXPECT_NO_THROW(p = f.pool.allocate(1_MiB));
+    EXPECT_EQ(p, given_back);
+    other.join();
+    f.held[3] = p;
+    f.h.tracker->complete(0);
+}
+
+TEST(pinned_pool, at_the_cap_blocks_nobody_frees_throw_at_once_with_the_figures) {
+    // Everything in use, nothing pending: waiting cannot help.
+    host_pool h;
+    pinned_pool_options o = h.options(8_MiB, 64_MiB);
+    o.cap_wait = std::chrono::seconds(60);
+    pinned_pool pool(o);
+    std::vector<void*> held;
+    for (int i = 0; i < 8; ++i) {
+        held.push_back(pool.allocate(1_MiB));
+    }
+    auto start = std::chrono::steady_clock::now();
+    try {
+        (void)pool.allocate(1_MiB);
+        ADD_FAILURE() << "no exception";
+    } catch (const pool_exhausted& e) {
+        EXPECT_EQ(e.requested(), 1_MiB);
+        EXPECT_EQ(e.in_use(), 8_MiB);
+        EXPECT_EQ(e.pending(), 0u);
+        EXPECT_EQ(e.cap(), 8_MiB);
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30))
+        << "waited although nothing was pending";
+    for (void* p : held) {
+        pool.deallocate(p);
+    }
+}
+
+TEST(pinned_pool, at_the_cap_a_request_larger_than_the_room_left_throws_at_once) {
+    full_pool f(std::chrono::seconds(60));
+    auto start = std::chrono::steady_clock::now();
+    // 7 MiB in use: even once the pending block is back, 2 MiB cannot fit under 8 MiB.
+    EXPECT_THROW((void)f.pool.allocate(2_MiB), pool_exhausted);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+    f.h.tracker->complete(0);
+}
+
+TEST(pinned_pool, at_the_cap_the_wait_is_bounded_and_the_error_states_the_pending_bytes) {
+    full_pool f(std::chrono::milliseconds(50)); // the pending block never completes
+    auto start = std::chrono::steady_clock::now();
+    try {
+        (void)f.pool.allocate(1_MiB);
+        ADD_FAILURE() << "no exception";
+    } catch (const pool_exhausted& e) {
+        EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(50));
+        EXPECT_EQ(e.requested(), 1_MiB);
+        EXPECT_EQ(e.in_use(), 7_MiB);
+        EXPECT_EQ(e.pending(), 1_MiB);
+        EXPECT_EQ(e.cap(), 8_MiB);
+        std::string what = e.what();
+        EXPECT_NE(what.find("requested " + std::to_string(1_MiB)), std::string::npos) << what;
+        EXPECT_NE(what.find(std::to_string(7_MiB) + " bytes in use"), std::string::npos) << what;
+        EXPECT_NE(what.find(std::to_string(1_MiB) + " bytes pending"), std::string::npos) << what;
+        EXPECT_NE(what.find("cap of " + std::to_string(8_MiB)), std::string::npos) << what;
+    }
+    EXPECT_GT(f.h.tracker->queries, 2) << "the pending block was checked while waiting";
+    f.h.tracker->complete(0);
+    void* p = f.pool.allocate(1_MiB); // and once it completed, it is handed out
+    EXPECT_EQ(p, f.pending);
+    f.pool.deallocate(p);
 }
 
 TEST(pinned_pool, default_cap_is_a_quarter_of_physical_memory) {
@@ -873,6 +1001,58 @@ TEST_F(pinned_pool_gpu, release_unused_unregisters_free_slabs) {
     cudaPointerAttributes attr{};
     ASSERT_EQ(cudaPointerGetAttributes(&attr, p), cudaSuccess);
     EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered);
+}
+
+TEST_F(pinned_pool_gpu, at_the_cap_allocate_waits_for_a_block_a_kernel_still_reads) {
+    pinned_pool_options o;
+    o.max_pinned_bytes = 8_MiB;
+    o.cap_wait = std::chrono::seconds(30);
+    pinned_pool pool(o);
+    std::vector<void*> held;
+    for (int i = 0; i < 7; ++i) {
+        held.push_back(pool.allocate(1_MiB));
+    }
+    const std::size_t n = 1_MiB / 4;
+    auto* a = static_cast<std::uint32_t*>(pool.allocate(1_MiB));
+    std::mt19937 rng(17);
+    std::vector<std::uint32_t> expected(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        a[i] = expected[i] = static_cast<std::uint32_t>(rng());
+    }
+    EXPECT_EQ(pool.stats().reserved_bytes, 8_MiB);
+    cudawait::stream s;
+    std::uint32_t* d = nullptr;
+    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d, 0xff, n * 4, s.get()), cudaSuccess);
+    // The kernel reads A over the bus 100 ms from now.
+    ASSERT_EQ(cudawait::testing::launch_delayed_copy(100'000'000, d, a, n, s.get()), cudaSuccess);
+    pool.record_use(a, s);
+    pool.deallocate(a);
+    std::uint32_t* b = nullptr;
+    try {
+        b = static_cast<std::uint32_t*>(pool.allocate(1_MiB));
+    } catch (const pool_exhausted& e) {
+        ADD_FAILURE() << e.what();
+    }
+    if (b != nullptr) {
+        EXPECT_TRUE(cudawait::stream_ref(s).ready()) << "handed out while the kernel ran";
+        EXPECT_EQ(b, a) << "the block the kernel read";
+        std::fill(b, b + n, 0xbad0bad0u);
+    }
+    std::vector<std::uint32_t> got(n);
+    ASSERT_EQ(cudaMemcpyAsync(got.data(), d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
+    s.sync();
+    for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(got[i], expected[i]) << "the kernel saw new data at " << i;
+    }
+    EXPECT_EQ(pool.stats().reserved_bytes, 8_MiB);
+    if (b != nullptr) {
+        pool.deallocate(b);
+    }
+    for (void* p : held) {
+        pool.deallocate(p);
+    }
 }
 
 // ---- the churn seen on an H200, for real ------------------------------------------------------

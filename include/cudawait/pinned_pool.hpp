@@ -78,24 +78,32 @@ constexpr std::size_t operator""_GiB(unsigned long long n) {
 }
 } // namespace literals
 
-/// Thrown when a request would take the pool past its cap on page-locked bytes, after cached
-/// free memory was given back and the request retried.
+/// Thrown when a request would take the pool past its cap on page-locked bytes, after blocks
+/// the GPU still used were waited for (up to pinned_pool_options::cap_wait) and cached free
+/// slabs were given back.
 class pool_exhausted : public std::bad_alloc {
 public:
-    pool_exhausted(std::size_t requested, std::size_t in_use, std::size_t cap)
-        : m_requested(requested), m_in_use(in_use), m_cap(cap),
+    pool_exhausted(std::size_t requested, std::size_t in_use, std::size_t pending, std::size_t cap)
+        : m_requested(requested), m_in_use(in_use), m_pending(pending), m_cap(cap),
           m_what("cudawait::pinned_pool exhausted: requested " + std::to_string(requested) +
-                 " bytes with " + std::to_string(in_use) + " bytes in use and a cap of " +
-                 std::to_string(cap) + " page-locked bytes") {}
+                 " bytes with " + std::to_string(in_use) + " bytes in use, " +
+                 std::to_string(pending) + " bytes pending (freed, the GPU still using them) " +
+                 "and a cap of " + std::to_string(cap) + " page-locked bytes") {}
 
     [[nodiscard]] const char* what() const noexcept override { return m_what.c_str(); }
+    /// The bytes asked for.
     [[nodiscard]] std::size_t requested() const noexcept { return m_requested; }
+    /// Bytes in blocks handed out and not freed.
     [[nodiscard]] std::size_t in_use() const noexcept { return m_in_use; }
+    /// Bytes in freed blocks whose recorded GPU work had not completed.
+    [[nodiscard]] std::size_t pending() const noexcept { return m_pending; }
+    /// The pool's cap on page-locked bytes.
     [[nodiscard]] std::size_t cap() const noexcept { return m_cap; }
 
 private:
     std::size_t m_requested;
     std::size_t m_in_use;
+    std::size_t m_pending;
     std::size_t m_cap;
     std::string m_what;
 };
@@ -306,6 +314,12 @@ struct pinned_pool_options {
     std::shared_ptr<slab_source> upstream;
     /// nullptr: an event_use_tracker.
     std::shared_ptr<use_tracker> tracker;
+    /// At the cap, how long a request waits for pending blocks (freed, their GPU work still in
+    /// flight) to come back before free slabs are given back and, failing that, pool_exhausted
+    /// is thrown. The pool checks them with a back-off from 20 us to 1 ms, and another thread's
+    /// free ends a wait at once. There is no wait when nothing is pending or when the bytes in
+    /// use plus the request exceed the cap: no block would come back. Zero: never wait.
+    std::chrono::nanoseconds cap_wait = std::chrono::seconds(1);
 };
 
 /// What a pool has done so far.
@@ -423,9 +437,11 @@ public:
     }
 
     /// A block of at least `bytes`, aligned to `alignment` (a power of two up to 2 MiB; at
-    /// least 256 is given).
-    /// @throws usage_error for zero bytes or a bad alignment; pool_exhausted at the cap;
-    ///         cuda_error or std::bad_alloc when the upstream fails
+    /// least 256 is given). At the cap it first waits (up to pinned_pool_options::cap_wait) for
+    /// pending blocks whose GPU work is still in flight, then gives free slabs back.
+    /// @throws usage_error for zero bytes or a bad alignment; pool_exhausted when the request
+    ///         still does not fit under the cap; cuda_error or std::bad_alloc when the upstream
+    ///         fails
     [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment = granule) {
         if (bytes == 0) {
             throw usage_error("pinned_pool::allocate: zero bytes requested");
@@ -435,7 +451,9 @@ public:
                               "2 MiB");
         }
         if (bytes > max_request) {
-            throw pool_exhausted(bytes, stats().in_use_bytes, m_options.max_pinned_bytes);
+            auto s = stats();
+            throw pool_exhausted(bytes, s.in_use_bytes, s.pending_bytes,
+                                 m_options.max_pinned_bytes);
         }
         std::size_t size = heap::round_up(bytes, granule);
         std::size_t align = std::max(alignment, granule);
@@ -535,7 +553,8 @@ public:
             std::size_t step = std::min(heap::round_up(bytes - held, slab_alignment),
                                         registered_slab_source::max_slab_bytes);
             if (held + step > m_options.max_pinned_bytes) {
-                throw pool_exhausted(bytes - held, m_in_use, m_options.max_pinned_bytes);
+                throw pool_exhausted(bytes - held, m_in_use, m_pending_bytes,
+                                     m_options.max_pinned_bytes);
             }
             grow(lock, step);
         }
@@ -766,6 +785,9 @@ private:
         const std::size_t need = heap::round_up(size, slab_alignment);
         const std::size_t cap = m_options.max_pinned_bytes;
         bool released = false;
+        bool waited = false;
+        std::chrono::steady_clock::time_point deadline;
+        std::chrono::microseconds poll(20);
         for (;;) {
             if (block* b = m_heap.allocate(size, align)) {
                 ++m_hits;
@@ -794,13 +816,35 @@ private:
                 }
                 continue;
             }
-            // At the cap: hand cached slabs back, then try once more.
+            // At the cap. Blocks the GPU still uses will come back: wait for them, a while.
+            if (m_pending_bytes != 0 && m_in_use + size <= cap &&
+                m_options.cap_wait > std::chrono::nanoseconds::zero()) {
+                auto now = std::chrono::steady_clock::now();
+                if (!waited) {
+                    waited = true;
+                    deadline = now + m_options.cap_wait;
+                }
+                if (now < deadline) {
+                    if (m_collecting) {
+                        wait_while(lock, [this] { return m_collecting; });
+                    } else if (collect_pass(lock) == 0) {
+                        // Nothing completed yet. Another thread's free also ends the sleep.
+                        ++m_waiters;
+                        m_cv.wait_for(lock,
+                                      std::min<std::chrono::nanoseconds>(poll, deadline - now));
+                        --m_waiters;
+                        poll = std::min(poll * 2, std::chrono::microseconds(1000));
+                    }
+                    continue;
+                }
+            }
+            // Hand cached slabs back, then try once more.
             if (!released) {
                 released = true;
                 release_unused(lock);
                 continue;
             }
-            throw pool_exhausted(bytes, m_in_use, cap);
+            throw pool_exhausted(bytes, m_in_use, m_pending_bytes, cap);
         }
     }
 
