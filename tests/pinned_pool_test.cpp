@@ -18,11 +18,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory_resource>
 #include <mutex>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <stop_token>
 #include <string>
 #include <thread>
@@ -36,6 +39,7 @@
 #include "no_device.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -482,12 +486,119 @@ TEST(pinned_pool, at_the_cap_the_wait_is_bounded_and_the_error_states_the_pendin
     f.pool.deallocate(p);
 }
 
-TEST(pinned_pool, default_cap_is_a_quarter_of_physical_memory) {
+TEST(pinned_pool, default_cap_is_a_quarter_of_the_memory_the_process_may_use) {
     host_pool h;
     pinned_pool_options o = h.options(0);
     pinned_pool pool(o);
-    EXPECT_EQ(pool.max_pinned_bytes(), cudawait::detail::physical_memory_bytes() / 4);
+    EXPECT_EQ(pool.max_pinned_bytes(), cudawait::detail::usable_memory_bytes() / 4);
+    EXPECT_LE(pool.max_pinned_bytes(), cudawait::detail::physical_memory_bytes() / 4);
     EXPECT_GT(pool.max_pinned_bytes(), 0u);
+}
+
+// A fake /proc and /sys/fs/cgroup below a fresh temporary directory.
+class fake_root {
+public:
+    fake_root() {
+        std::string tmpl = ::testing::TempDir() + "cudawait_cgroup_XXXXXX";
+        if (::mkdtemp(tmpl.data()) == nullptr) {
+            throw std::runtime_error("mkdtemp failed");
+        }
+        m_dir = tmpl;
+    }
+    fake_root(const fake_root&) = delete;
+    fake_root& operator=(const fake_root&) = delete;
+    ~fake_root() {
+        std::error_code ec;
+        std::filesystem::remove_all(m_dir, ec);
+    }
+    void write(const std::string& relative, const std::string& text) const {
+        std::filesystem::path p = m_dir / relative;
+        std::filesystem::create_directories(p.parent_path());
+        std::ofstream(p) << text;
+    }
+    [[nodiscard]] std::string path() const { return m_dir.string(); }
+
+private:
+    std::filesystem::path m_dir;
+};
+
+using cudawait::detail::cgroup_memory_limit;
+using cudawait::detail::physical_memory_bytes;
+using cudawait::detail::usable_memory_bytes;
+
+TEST(memory_limit, cgroup_v2_limit_of_the_process_cgroup) {
+    fake_root r;
+    r.write("proc/self/cgroup", "0::/user.slice/app.scope\n");
+    r.write("sys/fs/cgroup/user.slice/memory.max", "max\n");
+    r.write("sys/fs/cgroup/user.slice/app.scope/memory.max", "17179869184\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 16_GiB);
+    EXPECT_EQ(usable_memory_bytes(r.path()), std::min(16_GiB, physical_memory_bytes()));
+}
+
+TEST(memory_limit, cgroup_v2_lower_limit_of_a_parent_binds) {
+    fake_root r;
+    r.write("proc/self/cgroup", "0::/user.slice/app.scope\n");
+    r.write("sys/fs/cgroup/user.slice/memory.max", "1073741824\n");
+    r.write("sys/fs/cgroup/user.slice/app.scope/memory.max", "max\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 1_GiB);
+    EXPECT_EQ(usable_memory_bytes(r.path()), 1_GiB) << "lower than physical memory";
+}
+
+TEST(memory_limit, cgroup_v2_inside_a_container_namespace) {
+    fake_root r;
+    r.write("proc/self/cgroup", "0::/\n");
+    r.write("sys/fs/cgroup/memory.max", "1073741824\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 1_GiB);
+    EXPECT_EQ(usable_memory_bytes(r.path()), 1_GiB);
+}
+
+TEST(memory_limit, cgroup_v2_max_is_no_limit) {
+    fake_root r;
+    r.write("proc/self/cgroup", "0::/user.slice/app.scope\n");
+    r.write("sys/fs/cgroup/user.slice/memory.max", "max\n");
+    r.write("sys/fs/cgroup/user.slice/app.scope/memory.max", "max\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 0u);
+    EXPECT_EQ(usable_memory_bytes(r.path()), physical_memory_bytes());
+}
+
+TEST(memory_limit, cgroup_v1_limit_at_the_mount_root_when_the_path_is_the_hosts) {
+    // A container without a cgroup namespace: /proc/self/cgroup names the host's path, and the
+    // memory controller's mount is the container's own cgroup.
+    fake_root r;
+    r.write("proc/self/cgroup", "12:cpu,cpuacct:/docker/abc\n6:memory:/docker/abc\n"
+                                "1:name=systemd:/docker/abc\n0::/docker/abc\n");
+    r.write("sys/fs/cgroup/memory/memory.limit_in_bytes", "1073741824\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 1_GiB);
+    EXPECT_EQ(usable_memory_bytes(r.path()), 1_GiB);
+}
+
+TEST(memory_limit, cgroup_v1_limit_of_the_process_cgroup) {
+    fake_root r;
+    r.write("proc/self/cgroup", "4:cpu,memory:/batch/job7\n");
+    r.write("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    r.write("sys/fs/cgroup/memory/batch/job7/memory.limit_in_bytes", "3221225472\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 3_GiB);
+}
+
+TEST(memory_limit, cgroup_v1_unlimited_leaves_physical_memory) {
+    fake_root r;
+    r.write("proc/self/cgroup", "6:memory:/\n");
+    r.write("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), std::size_t{9223372036854771712ull});
+    EXPECT_EQ(usable_memory_bytes(r.path()), physical_memory_bytes());
+}
+
+TEST(memory_limit, missing_or_unreadable_files_mean_no_limit) {
+    fake_root r;
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 0u) << "no /proc/self/cgroup";
+    r.write("proc/self/cgroup", "0::/user.slice\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 0u) << "no memory.max anywhere";
+    r.write("sys/fs/cgroup/user.slice/memory.max", "lots\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 0u) << "not a number";
+    r.write("proc/self/cgroup", "garbage without colons\n");
+    EXPECT_EQ(cgroup_memory_limit(r.path()), 0u);
+    EXPECT_EQ(usable_memory_bytes(r.path()), physical_memory_bytes());
+    EXPECT_EQ(cgroup_memory_limit(r.path() + "/does/not/exist"), 0u);
 }
 
 TEST(pinned_pool, a_failing_upstream_leaves_the_pool_consistent) {
