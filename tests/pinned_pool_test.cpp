@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The cuda::mr properties of CCCL 3.0 are declared only behind this switch.
-#define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+// Nothing here defines LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE: the pool must be a
+// cuda::mr resource for a user who does nothing special.
 #include <cudawait/copy.hpp>
 #include <cudawait/device_buffer.hpp>
 #include <cudawait/pinned_buffer.hpp>
@@ -50,13 +50,23 @@ using cudawait::pool_exhausted;
 using cudawait::usage_error;
 using cudawait::use_token;
 
+#if __has_include(<cuda/memory_resource>)
+static_assert(CUDAWAIT_HAS_CUDA_MR == 1, "libcu++ is here, so the pool is a cuda::mr resource");
+#endif
 #if CUDAWAIT_HAS_CUDA_MR
 #if CCCL_VERSION >= 3001000
 static_assert(cuda::mr::synchronous_resource_with<pinned_pool, cuda::mr::host_accessible,
                                                   cuda::mr::device_accessible>);
+using pool_ref =
+    cuda::mr::synchronous_resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
+void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate_sync(n, 256); }
+void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate_sync(p, n, 256); }
 #else
 static_assert(
     cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible, cuda::mr::device_accessible>);
+using pool_ref = cuda::mr::resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
+void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate(n, 256); }
+void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate(p, n, 256); }
 #endif
 #endif
 static_assert(std::is_base_of_v<std::pmr::memory_resource, pinned_pool>);
@@ -979,6 +989,32 @@ TEST(pinned_pool, works_as_a_pmr_memory_resource) {
     EXPECT_EQ(pool.stats().in_use_bytes, 0u);
 }
 
+TEST(pinned_pool, allocates_through_cuda_mr_resource_refs_made_by_gcc_and_by_nvcc) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "this libcu++ has no memory resources";
+#else
+    ASSERT_TRUE(cudawait::testing::cuda_mr_in_nvcc_unit());
+    host_pool h;
+    pinned_pool pool(h.options());
+    pool_ref ref{pool};
+    EXPECT_TRUE(ref == pool_ref{pool});
+    auto* a = static_cast<std::uint8_t*>(ref_allocate(ref, 3000));
+    auto* b = static_cast<std::uint8_t*>(cudawait::testing::allocate_through_cuda_mr(pool, 5000));
+    ASSERT_NE(b, nullptr);
+    EXPECT_TRUE(pool.owns(a));
+    EXPECT_TRUE(pool.owns(b));
+    EXPECT_EQ(pool.stats().requested_bytes, 8000u);
+    fill(a, 3000, 0x3c);
+    fill(b, 5000, 0xc3);
+    EXPECT_TRUE(all_equal(a, 3000, 0x3c));
+    EXPECT_TRUE(all_equal(b, 5000, 0xc3));
+    ref_deallocate(ref, a, 3000);
+    cudawait::testing::deallocate_through_cuda_mr(pool, b, 5000);
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+    EXPECT_EQ(pool.stats().blocks_in_use, 0u);
+#endif
+}
+
 // ---- with a GPU: real page-locked memory ----------------------------------------------------
 
 TEST(pinned_pool_no_device, growth_without_a_device_is_a_cuda_error) {
@@ -1164,6 +1200,50 @@ TEST_F(pinned_pool_gpu, at_the_cap_allocate_waits_for_a_block_a_kernel_still_rea
     for (void* p : held) {
         pool.deallocate(p);
     }
+}
+
+TEST_F(pinned_pool_gpu, memory_from_cuda_mr_resource_refs_feeds_the_device) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "this libcu++ has no memory resources";
+#else
+    pinned_pool pool;
+    const std::size_t n = (1_MiB + 4096) / 4;
+    pool_ref ref{pool};
+    auto* in = static_cast<std::uint32_t*>(ref_allocate(ref, n * 4)); // a g++ unit's reference
+    auto* out = static_cast<std::uint32_t*>(
+        cudawait::testing::allocate_through_cuda_mr(pool, n * 4)); // an nvcc unit's
+    ASSERT_NE(out, nullptr);
+    for (void* p : {static_cast<void*>(in), static_cast<void*>(out)}) {
+        cudaPointerAttributes attr{};
+        ASSERT_EQ(cudaPointerGetAttributes(&attr, p), cudaSuccess);
+        EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+    }
+    std::mt19937 rng(23);
+    std::vector<std::uint32_t> want(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        in[i] = want[i] = static_cast<std::uint32_t>(rng());
+        out[i] = 0xdeadbeef;
+    }
+    cudawait::stream s;
+    std::uint32_t* d = nullptr;
+    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(d, in, n * 4, cudaMemcpyHostToDevice, s.get()), cudaSuccess);
+    ASSERT_EQ(cudawait::testing::launch_mix(d, n, 5, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(out, d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
+    pool.record_use(in, s);
+    pool.record_use(out, s);
+    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
+    s.sync();
+    cudawait::testing::mix_on_host(want.data(), n, 5);
+    for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(out[i], want[i]) << i;
+    }
+    ref_deallocate(ref, in, n * 4);
+    cudawait::testing::deallocate_through_cuda_mr(pool, out, n * 4);
+    pool.collect();
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+    EXPECT_EQ(pool.stats().pending_bytes, 0u);
+#endif
 }
 
 // ---- the churn seen on an H200, for real ------------------------------------------------------

@@ -22,7 +22,11 @@
 // pool_exhausted, which states the requested, in-use, pending and cap bytes.
 //
 // The pool is a std::pmr::memory_resource and a libcu++ cuda::mr resource whose memory is both
-// host- and device-accessible.
+// host- and device-accessible (cuda::mr::resource_ref<host_accessible, device_accessible>; with
+// CCCL 3.1 and later, synchronous_resource_ref). Nothing needs defining for it, but with CCCL
+// 3.0 (CUDA 13.0) a file that includes <cuda/memory_resource> itself must include cudawait
+// first, or define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE before every libcu++ header
+// (CUDAWAIT_HAS_CUDA_MR tells; see below).
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -55,16 +59,31 @@
 #include <unistd.h>
 #endif
 
-#if __has_include(<cuda/memory_resource>)
-#include <cuda/memory_resource>
+// libcu++'s memory resources (cuda::mr). CCCL 3.1 and later declare them unconditionally. CCCL
+// 3.0 (CUDA 13.0) and 2.x declare them only if LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+// is defined when <cuda/memory_resource> is first included; their include guards are set even
+// when the switch skipped their contents, so defining it later changes nothing. This header
+// therefore defines the switch itself when it is the first to include them. If they were
+// included earlier without it, they declared nothing and the pool is no cuda::mr resource in
+// that translation unit (CUDAWAIT_HAS_CUDA_MR is 0; it is a std::pmr resource still): include
+// cudawait first there, or define the switch for the whole project.
+#if __has_include(<cuda/memory_resource>) && __has_include(<cuda/version>)
 #include <cuda/version>
 #endif
-
-// CCCL 3.0 declares the cuda::mr properties only behind
-// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE; later versions declare them unconditionally.
-#if defined(CCCL_VERSION) &&                                                                       \
-    (defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) || CCCL_VERSION >= 3001000)
+#if defined(CCCL_VERSION) && CCCL_VERSION >= 3001000
+#include <cuda/memory_resource>
 #define CUDAWAIT_HAS_CUDA_MR 1
+#elif defined(CCCL_VERSION)
+#if !defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) && !defined(_CUDA_MEMORY_RESOURCE) && \
+    !defined(_CUDA__MEMORY_RESOURCE_PROPERTIES_H)
+#define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+#endif
+#include <cuda/memory_resource>
+#if defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE)
+#define CUDAWAIT_HAS_CUDA_MR 1
+#else
+#define CUDAWAIT_HAS_CUDA_MR 0
+#endif
 #else
 #define CUDAWAIT_HAS_CUDA_MR 0
 #endif
@@ -737,11 +756,6 @@ public:
 
     friend bool operator==(const pinned_pool& a, const pinned_pool& b) noexcept { return &a == &b; }
 
-#if CUDAWAIT_HAS_CUDA_MR
-    friend constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexcept {}
-    friend constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
-#endif
-
 private:
     using heap = detail::block_heap<detail::pool_block_extra>;
     using block = heap::block;
@@ -1088,6 +1102,15 @@ private:
     std::uint64_t m_growth_count = 0;
     std::chrono::nanoseconds m_growth_time{0};
 };
+
+#if CUDAWAIT_HAS_CUDA_MR
+// The cuda::mr properties, found by argument-dependent lookup. Free functions rather than
+// friends, so that the class reads the same in translation units without libcu++'s resources.
+/// The pool's memory is host-accessible.
+constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexcept {}
+/// The pool's memory is device-accessible (page-locked and registered for every device).
+constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
+#endif
 
 /// The process-wide pool that copies stage pageable memory through. It lives until the process
 /// ends (it is never destroyed, so no static destruction order can free memory still in use).
