@@ -77,6 +77,7 @@ using cudawait::testing::host_pool;
 using cudawait::testing::timed_tracker;
 
 void fill(void* p, std::size_t n, std::uint8_t v) { std::memset(p, v, n); }
+std::size_t heap_round(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
 bool all_equal(const void* p, std::size_t n, std::uint8_t v) {
     auto* b = static_cast<const std::uint8_t*>(p);
     return std::all_of(b, b + n, [v](std::uint8_t x) { return x == v; });
@@ -686,6 +687,73 @@ TEST(pinned_pool, stats_track_the_peaks_of_pending_and_of_in_use_plus_pending) {
 TEST(pinned_pool, size_for_follows_the_stages_times_batch_times_two_rule) {
     EXPECT_EQ(pinned_pool::size_for(3, 64_MiB), 384_MiB);
     EXPECT_EQ(pinned_pool::size_for(1, 1), 2u);
+}
+
+// A pipeline of depth D holds D pinned input chunks and D pinned output chunks while it stages.
+// Reserving size_for(D, in, out) on an empty pool must hold them without growing, whatever the
+// order the slots take them in; the rule of thumb may not.
+TEST(pinned_pool, size_for_with_chunk_sizes_holds_a_pipelines_staging_buffers) {
+    EXPECT_EQ(pinned_pool::size_for(3, 64_MiB, 64_MiB), 384_MiB);
+    EXPECT_EQ(pinned_pool::size_for(2, 3_MiB, 3_MiB), 16_MiB) << "3 MiB blocks 2 MiB-aligned";
+    EXPECT_EQ(pinned_pool::size_for(2, 1000, 3000), 2u * (1024 + 3072));
+    EXPECT_EQ(pinned_pool::size_for(3, 1_MiB, 2_MiB), 3 * (1_MiB + 4_MiB - 256));
+
+    struct shape {
+        std::size_t depth;
+        std::size_t in;
+        std::size_t out;
+    };
+    std::vector<shape> shapes = {{2, 3_MiB, 3_MiB},
+                                 {3, 1_MiB + 5, 5_MiB + 3},
+                                 {4, 2_MiB, 1_MiB + 256},
+                                 {3, 1_MiB + 256_KiB, 2_MiB},
+                                 {2, 64_MiB, 64_MiB},
+                                 {3, 100_KiB, 7_MiB},
+                                 {1, 1, 1},
+                                 {5, 2_MiB - 255, 2_MiB + 1}};
+    std::mt19937_64 rng(29);
+    std::uniform_real_distribution<double> log_size(0.0, std::log(12.0 * (1 << 20)));
+    for (int i = 0; i < 150; ++i) {
+        auto size = [&] {
+            auto n = static_cast<std::size_t>(std::exp(log_size(rng)));
+            return rng() % 4 == 0 ? heap_round(n, 2_MiB) : std::max<std::size_t>(n, 1);
+        };
+        shapes.push_back({1 + rng() % 6, size(), size()});
+    }
+    for (const shape& sh : shapes) {
+        for (int order = 0; order < 3; ++order) {
+            host_pool h;
+            pinned_pool pool(h.options(4_GiB, 2_MiB));
+            pool.reserve(pinned_pool::size_for(sh.depth, sh.in, sh.out));
+            std::vector<cudawait::pinned_buffer<std::byte>> held;
+            auto take = [&](std::size_t n) { held.emplace_back(n, pool); };
+            for (std::size_t slot = 0; slot < sh.depth; ++slot) {
+                if (order == 0) { // as the pipeline does: input, then output, slot by slot
+                    take(sh.in);
+                    take(sh.out);
+                } else {
+                    take(order == 1 ? sh.in : sh.out);
+                }
+            }
+            for (std::size_t slot = 0; order != 0 && slot < sh.depth; ++slot) {
+                take(order == 1 ? sh.out : sh.in);
+            }
+            ASSERT_EQ(pool.stats().growth_count, 1u)
+                << "depth " << sh.depth << ", chunks of " << sh.in << " in and " << sh.out
+                << " out, order " << order << ": reserved "
+                << pinned_pool::size_for(sh.depth, sh.in, sh.out);
+        }
+    }
+
+    // The rule of thumb falls short where the pool's placement costs room.
+    host_pool h;
+    pinned_pool pool(h.options(4_GiB, 2_MiB));
+    pool.reserve(pinned_pool::size_for(2, 3_MiB));
+    std::vector<cudawait::pinned_buffer<std::byte>> held;
+    for (int i = 0; i < 4; ++i) {
+        held.emplace_back(3_MiB, pool);
+    }
+    EXPECT_EQ(pool.stats().growth_count, 2u);
 }
 
 TEST(pinned_pool, bad_requests_get_typed_errors) {

@@ -9,6 +9,7 @@
 //   cudaMemcpyAsync(dev, p, bytes, cudaMemcpyHostToDevice, s);
 //   pool.record_use(p, s);               the library's own copies and pipelines do this for you
 //   pool.deallocate(p);                  p is handed out again only once s has passed this point
+//   pinned_pool::size_for(depth, in, out)  what reserve() needs for a pipeline's staging buffers
 //
 //   pool_exhausted      the cap on page-locked bytes was reached (derives std::bad_alloc)
 //   slab_source         where slabs come from (registered_slab_source by default; replaceable)
@@ -742,10 +743,41 @@ public:
         return m_options.max_pinned_bytes;
     }
 
-    /// Pool capacity for an N-stage pipeline: every stage double-buffered, in and out.
+    /// The rule of thumb for a pipeline's staging buffers: `stages` x `max_batch_bytes` x 2.
+    /// `stages` is the pipeline's depth (pipeline_options::depth, its slots), not the number of
+    /// kernel stages; `max_batch_bytes` is the larger of a chunk's input and output bytes. While
+    /// a pipeline stages pageable memory, streams, or replays graphs, each slot holds one pinned
+    /// input and one pinned output chunk, for as long as the pipeline lives. The figure leaves
+    /// out the pool's rounding (256 bytes) and placement (blocks of 2 MiB and more start on a
+    /// 2 MiB boundary), so reserving it may fall short by a few MiB: for reserve(), use the
+    /// three-argument form.
     [[nodiscard]] static constexpr std::size_t size_for(std::size_t stages,
                                                         std::size_t max_batch_bytes) noexcept {
         return stages * max_batch_bytes * 2;
+    }
+
+    /// What reserve() must hold, on a pool with nothing else in it, so that the staging buffers
+    /// of a pipeline with `depth` slots, chunks of `input_chunk_bytes` in and
+    /// `output_chunk_bytes` out, never grow it, whatever order the slots take them in: each
+    /// buffer rounded to 256 bytes; one of `large_block_bytes` (the pool's option) or more
+    /// rounded up to 2 MiB, or, when buffers below that size can sit between them, given
+    /// 2 MiB - 256 bytes of room for its alignment instead.
+    [[nodiscard]] static constexpr std::size_t
+    size_for(std::size_t depth, std::size_t input_chunk_bytes, std::size_t output_chunk_bytes,
+             std::size_t large_block_bytes = 2_MiB) noexcept {
+        auto rounded = [](std::size_t n) { return heap::round_up(n, granule); };
+        auto large = [&](std::size_t n) { return n != 0 && rounded(n) >= large_block_bytes; };
+        auto small = [&](std::size_t n) { return n != 0 && !large(n); };
+        bool mixed = (large(input_chunk_bytes) || large(output_chunk_bytes)) &&
+                     (small(input_chunk_bytes) || small(output_chunk_bytes));
+        auto footprint = [&](std::size_t n) {
+            if (!large(n)) {
+                return rounded(n);
+            }
+            return mixed ? rounded(n) + slab_alignment - granule
+                         : heap::round_up(n, slab_alignment);
+        };
+        return depth * (footprint(input_chunk_bytes) + footprint(output_chunk_bytes));
     }
 
     /// The cuda::mr synchronous-resource spelling of allocate / deallocate (CCCL 3.1 and later).
