@@ -157,6 +157,53 @@ TEST(block_heap, finds_a_fit_in_every_size_class) {
     heap.free(all);
 }
 
+// The heap gives up on a request only when no free block can hold it at its alignment: checked
+// against every free block after each failure, on a fragmenting workload of 2 MiB-aligned and
+// small blocks such as the pool's churn makes.
+TEST(block_heap, fails_an_aligned_request_only_when_no_free_block_holds_it) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    heap.add_region(base, 64_MiB);
+    heap.add_region(base + 1_GiB, 64_MiB);
+    std::mt19937_64 rng(31);
+    std::vector<test_heap::block*> live;
+    int failures = 0;
+    for (int step = 0; step < 20000; ++step) {
+        if (live.empty() || rng() % 100 < 52) {
+            std::size_t size = 1_KiB + rng() % 4_MiB;
+            std::size_t rounded = (size + 255) / 256 * 256;
+            std::size_t align = rounded >= 2_MiB ? 2_MiB : std::size_t{256} << (rng() % 4);
+            if (test_heap::block* b = heap.allocate(size, align)) {
+                live.push_back(b);
+                continue;
+            }
+            ++failures;
+            for (const auto& r : heap.regions()) {
+                for (test_heap::block* f = r->first; f != nullptr; f = f->next_phys) {
+                    if (!f->is_free) {
+                        continue;
+                    }
+                    auto addr = reinterpret_cast<std::uintptr_t>(f->ptr);
+                    std::size_t pad = (align - addr % align) % align;
+                    ASSERT_GT(pad + rounded, f->size)
+                        << "a free block of " << f->size << " at offset " << pad
+                        << " holds the failed request of " << rounded << " aligned to " << align;
+                }
+            }
+        } else {
+            std::size_t i = rng() % live.size();
+            heap.free(live[i]);
+            live[i] = live.back();
+            live.pop_back();
+        }
+    }
+    EXPECT_GT(failures, 100) << "the workload never filled the heap";
+    for (test_heap::block* b : live) {
+        heap.free(b);
+    }
+    EXPECT_EQ(heap.free_bytes(), 128_MiB);
+}
+
 TEST(ptr_map, matches_a_standard_map_under_random_inserts_and_erases) {
     cudawait::detail::ptr_map<int> m;
     std::unordered_map<const void*, int> ref;
