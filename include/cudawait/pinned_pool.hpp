@@ -513,8 +513,8 @@ struct pool_block_extra {
 /// A freed block on which record_use() was called is handed out again only once every stream
 /// that used it passed the recorded point. Until then it is pending. Pending blocks are checked
 /// (one query per recorded use) when a request finds no free block, and by record_use() once
-/// pending bytes or blocks have doubled since the last check (a slab's eighth or 32 blocks at
-/// least), so checks cost O(1) per block and pending blocks whose uses completed do not pile up.
+/// they reach twice the bytes the last check left pending plus an eighth of a slab, or twice the
+/// blocks plus 32: checks cost O(1) per block, and blocks whose uses completed do not pile up.
 ///
 /// When a request finds no free block, the pool grows only after a check that saw every block
 /// pending at that moment, and one thread grows it at a time: threads that miss together wait
@@ -639,7 +639,8 @@ public:
     void deallocate(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
 
     /// Records that work enqueued on `s` so far may use the block holding `p` (an interior
-    /// pointer is fine). Once freed, the block is reused only after that work completed.
+    /// pointer is fine). Once freed, the block is reused only after that work completed. Now and
+    /// then it also checks the pending blocks (see the class comment).
     /// @throws usage_error when `p` is not in a block handed out by this pool; cuda_error
     void record_use(const void* p, stream_ref s) {
         use_token t = m_options.tracker->record(s);
