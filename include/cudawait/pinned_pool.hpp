@@ -466,7 +466,8 @@ inline std::size_t cgroup_memory_limit(const std::string& root = {}) noexcept {
             if (c2 == std::string::npos) {
                 continue;
             }
-            std::string controllers = "," + line.substr(c1 + 1, c2 - c1 - 1) + ",";
+            std::string controllers(1, ','); // ",memory," is then found in any position
+            controllers.append(line, c1 + 1, c2 - c1 - 1).push_back(',');
             std::string path = line.substr(c2 + 1);
             if (line.compare(0, c2 + 1, "0::") == 0) {
                 v2_path = path;
