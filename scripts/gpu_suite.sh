@@ -51,7 +51,7 @@ if has memcheck; then
   }
   failing_calls='*impossible_size*:*timing_disabled*'
   for t in device stream event pinned_pool pinned_buffer device_buffer mapped_buffer copy; do
-    run_memcheck "${t}_test" "-*kernel_fault*:*no_device*:*without_a_device*:$failing_calls" 180
+    run_memcheck "${t}_test" "-*kernel_fault*:*no_device*:*without_a_device*:*churn*:$failing_calls" 180
   done
   run_memcheck device_buffer_test "$failing_calls" 120 --report-api-errors no
   run_memcheck event_test "$failing_calls" 120 --report-api-errors no
@@ -69,7 +69,7 @@ if has racecheck; then
   for t in pinned_pool pinned_buffer device_buffer mapped_buffer copy pipeline; do
     timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
       "$build/tests/${t}_test" \
-      --gtest_filter='-*no_device*:*without_a_device*:*sticky_fault*:*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*timeout*:*hung*:*impossible_size*:*suggested_chunk_size*' \
+      --gtest_filter='-*no_device*:*without_a_device*:*sticky_fault*:*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*timeout*:*hung*:*impossible_size*:*suggested_chunk_size*:*churn*' \
       >>"$logs/racecheck.log" 2>&1
     rc=$?
     echo "racecheck ${t}_test: rc=$rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$logs/racecheck.log" | tail -1)"

@@ -6,11 +6,15 @@
 
 #include <cudawait/pinned_pool.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -18,7 +22,8 @@
 
 namespace cudawait::testing {
 
-/// Slabs from the C heap, counted. Whatever the pool leaks is freed here at the end.
+/// Slabs from the C heap, counted. Whatever the pool leaks is freed here at the end. Each
+/// allocation can be made to take `grow_time`, as registering page-locked memory does.
 class heap_slabs final : public cudawait::slab_source {
 public:
     ~heap_slabs() override {
@@ -27,6 +32,8 @@ public:
         }
     }
     void* allocate(std::size_t bytes) override {
+        std::this_thread::sleep_for(grow_time);
+        std::lock_guard lock(m_mutex);
         if (fail_next) {
             fail_next = false;
             throw std::bad_alloc();
@@ -41,6 +48,7 @@ public:
         return p;
     }
     void deallocate(void* p, std::size_t bytes) noexcept override {
+        std::lock_guard lock(m_mutex);
         auto it = m_live.find(p);
         EXPECT_NE(it, m_live.end());
         if (it != m_live.end()) {
@@ -50,7 +58,8 @@ public:
         ++deallocations;
         std::free(p);
     }
-    [[nodiscard]] std::size_t live_bytes() const {
+    [[nodiscard]] std::size_t live_bytes() {
+        std::lock_guard lock(m_mutex);
         std::size_t n = 0;
         for (auto [p, b] : m_live) {
             n += b;
@@ -61,8 +70,10 @@ public:
     bool fail_next = false;
     int allocations = 0;
     int deallocations = 0;
+    std::chrono::nanoseconds grow_time{0};
 
 private:
+    std::mutex m_mutex;
     std::unordered_map<void*, std::size_t> m_live;
 };
 
@@ -103,9 +114,55 @@ public:
     int waits = 0;
 
 private:
-    static std::size_t index(cudawait::use_token t) { return reinterpret_cast<std::size_t>(t.handle) - 1; }
+    static std::size_t index(cudawait::use_token t) {
+        return reinterpret_cast<std::size_t>(t.handle) - 1;
+    }
     std::mutex m_mutex;
     std::vector<bool> m_done;
+};
+
+/// Completion by the clock, as a busy GPU gives it: a mark recorded on stream `s` completes
+/// `delay(s)` later. Each query can be made to cost `query_cost` of busy time, as a driver query
+/// does while other streams keep the GPU busy. Thread-safe.
+class timed_tracker final : public cudawait::use_tracker {
+public:
+    using clock = std::chrono::steady_clock;
+
+    explicit timed_tracker(std::function<std::chrono::nanoseconds(cudaStream_t)> delay,
+                           std::chrono::nanoseconds query_cost = {})
+        : m_delay(std::move(delay)), m_query_cost(query_cost) {}
+
+    cudawait::use_token record(cudawait::stream_ref s) override {
+        auto due = clock::now() + m_delay(s.get());
+        m_outstanding.fetch_add(1);
+        m_records.fetch_add(1);
+        auto ticks = static_cast<std::uintptr_t>(due.time_since_epoch().count());
+        return {reinterpret_cast<void*>(ticks), 0};
+    }
+    bool done(cudawait::use_token t) override {
+        m_queries.fetch_add(1);
+        auto start = clock::now();
+        while (clock::now() - start < m_query_cost) {
+        }
+        return clock::now() >= due(t);
+    }
+    void wait(cudawait::use_token t) override { std::this_thread::sleep_until(due(t)); }
+    void release(cudawait::use_token) noexcept override { m_outstanding.fetch_sub(1); }
+
+    /// When a mark completes.
+    [[nodiscard]] static clock::time_point due(cudawait::use_token t) {
+        return clock::time_point(clock::duration(reinterpret_cast<std::uintptr_t>(t.handle)));
+    }
+    [[nodiscard]] long outstanding() const { return m_outstanding.load(); }
+    [[nodiscard]] long records() const { return m_records.load(); }
+    [[nodiscard]] long queries() const { return m_queries.load(); }
+
+private:
+    std::function<std::chrono::nanoseconds(cudaStream_t)> m_delay;
+    std::chrono::nanoseconds m_query_cost;
+    std::atomic<long> m_outstanding{0};
+    std::atomic<long> m_records{0};
+    std::atomic<long> m_queries{0};
 };
 
 // Stream handles are only compared by the pool when a stand-in tracker is used.
@@ -117,7 +174,8 @@ struct host_pool {
     std::shared_ptr<heap_slabs> slabs = std::make_shared<heap_slabs>();
     std::shared_ptr<manual_tracker> tracker = std::make_shared<manual_tracker>();
 
-    cudawait::pinned_pool_options options(std::size_t cap = 1_GiB, std::size_t slab = 64_MiB) const {
+    cudawait::pinned_pool_options options(std::size_t cap = 1_GiB,
+                                          std::size_t slab = 64_MiB) const {
         cudawait::pinned_pool_options o;
         o.max_pinned_bytes = cap;
         o.slab_bytes = slab;

@@ -1,16 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
+// This file includes libcu++'s <cuda/memory_resource> before cudawait and without
+// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE, as a user might. CCCL 3.0 then declares no
+// memory resources (and a later definition of the switch cannot bring them back): cudawait
+// must still compile, say so through CUDAWAIT_HAS_CUDA_MR, and work.
+// clang-format off
+#if __has_include(<cuda/memory_resource>)
+#include <cuda/memory_resource>
+#endif
 #include <cudawait/pinned_buffer.hpp>
-
-#include "gpu_fixture.hpp"
-#include "host_pool.hpp"
+// clang-format on
 
 #include <cstdint>
+#include <memory_resource>
 #include <random>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "host_pool.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -22,6 +32,12 @@ using cudawait::usage_error;
 using cudawait::testing::fake_stream;
 using cudawait::testing::host_pool;
 
+#if defined(CCCL_VERSION) && CCCL_VERSION < 3001000
+static_assert(CUDAWAIT_HAS_CUDA_MR == 0, "<cuda/memory_resource> came first, without the switch");
+#elif defined(CCCL_VERSION)
+static_assert(CUDAWAIT_HAS_CUDA_MR == 1);
+#endif
+static_assert(std::is_base_of_v<std::pmr::memory_resource, pinned_pool>);
 static_assert(!std::is_copy_constructible_v<pinned_buffer<int>>);
 static_assert(std::is_nothrow_move_constructible_v<pinned_buffer<int>>);
 static_assert(std::ranges::contiguous_range<pinned_buffer<int>>);

@@ -85,3 +85,23 @@ inline void square_sub_on_host(const std::uint32_t* in, std::uint32_t* out, std:
 }
 
 } // namespace cudawait::testing
+
+// The pinned pool as a libcu++ cuda::mr resource, reached from a translation unit that nvcc
+// compiles (test_kernels.cu) and that defines no switch for libcu++'s memory resources.
+namespace cudawait {
+class pinned_pool;
+} // namespace cudawait
+
+namespace cudawait::testing {
+
+/// CUDAWAIT_HAS_CUDA_MR as test_kernels.cu sees it.
+bool cuda_mr_in_nvcc_unit();
+
+/// `bytes` from `pool` through a host- and device-accessible cuda::mr resource reference made
+/// in test_kernels.cu; nullptr where libcu++ has no memory resources.
+void* allocate_through_cuda_mr(pinned_pool& pool, std::size_t bytes);
+
+/// Gives `p` back through such a reference.
+void deallocate_through_cuda_mr(pinned_pool& pool, void* p, std::size_t bytes);
+
+} // namespace cudawait::testing

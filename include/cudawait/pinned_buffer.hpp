@@ -2,13 +2,15 @@
 #pragma once
 
 // Synopsis
-//   pinned_buffer<float> buf(n);           n floats of page-locked memory from
-//   default_pinned_pool() pinned_buffer<float> buf(n, pool);     ... from `pool` std::span<float> s
-//   = buf.span();       host access buf.record_use(stream);                the block is reused only
-//   after `stream` passed here
-//                                          (copy.hpp's copies do this for you)
+//   pinned_buffer<float> buf(n);          n floats of page-locked memory from default_pinned_pool()
+//   pinned_buffer<float> buf(n, pool);    ... from `pool`
+//   std::span<float> s = buf.span();      host access (also data(), begin(), end(), operator[])
+//   buf.record_use(stream);               the block is handed out again only after `stream`
+//                                         passed this point (copy.hpp's copies do this for you)
+//   buf.reset();                          gives the block back now
 //
-// Move-only; the block goes back to its pool when the buffer is destroyed.
+// Move-only; the elements are not initialised. The block goes back to its pool when the buffer
+// is destroyed or reset.
 
 #include <cudawait/error.hpp>
 #include <cudawait/pinned_pool.hpp>

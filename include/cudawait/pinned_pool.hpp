@@ -9,14 +9,25 @@
 //   cudaMemcpyAsync(dev, p, bytes, cudaMemcpyHostToDevice, s);
 //   pool.record_use(p, s);               the library's own copies and pipelines do this for you
 //   pool.deallocate(p);                  p is handed out again only once s has passed this point
+//   pinned_pool::size_for(depth, in, out)  what reserve() needs for a pipeline's staging buffers
 //
 //   pool_exhausted      the cap on page-locked bytes was reached (derives std::bad_alloc)
 //   slab_source         where slabs come from (registered_slab_source by default; replaceable)
 //   use_tracker         how "the GPU is done with it" is observed (CUDA events by default)
 //   default_pinned_pool()  the process-wide pool that copies stage through
 //
+// The cap (pinned_pool_options::max_pinned_bytes) is by default a quarter of the memory the
+// process may use: physical memory, or its cgroup's memory limit when that is lower (inside a
+// container, the container's limit). At the cap a request waits up to cap_wait (1 s) for
+// pending blocks (freed, their GPU work in flight), then gives free slabs back, then throws
+// pool_exhausted, which states the requested, in-use, pending and cap bytes.
+//
 // The pool is a std::pmr::memory_resource and a libcu++ cuda::mr resource whose memory is both
-// host- and device-accessible.
+// host- and device-accessible (cuda::mr::resource_ref<host_accessible, device_accessible>; with
+// CCCL 3.1 and later, synchronous_resource_ref). Nothing needs defining for it, but with CCCL
+// 3.0 (CUDA 13.0) a file that includes <cuda/memory_resource> itself must include cudawait
+// first, or define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE before every libcu++ header
+// (CUDAWAIT_HAS_CUDA_MR tells; see below).
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -25,7 +36,9 @@
 #include <cudawait/detail/block_heap.hpp>
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -47,16 +60,31 @@
 #include <unistd.h>
 #endif
 
-#if __has_include(<cuda/memory_resource>)
-#include <cuda/memory_resource>
+// libcu++'s memory resources (cuda::mr). CCCL 3.1 and later declare them unconditionally. CCCL
+// 3.0 (CUDA 13.0) and 2.x declare them only if LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+// is defined when <cuda/memory_resource> is first included; their include guards are set even
+// when the switch skipped their contents, so defining it later changes nothing. This header
+// therefore defines the switch itself when it is the first to include them. If they were
+// included earlier without it, they declared nothing and the pool is no cuda::mr resource in
+// that translation unit (CUDAWAIT_HAS_CUDA_MR is 0; it is a std::pmr resource still): include
+// cudawait first there, or define the switch for the whole project.
+#if __has_include(<cuda/memory_resource>) && __has_include(<cuda/version>)
 #include <cuda/version>
 #endif
-
-// CCCL 3.0 declares the cuda::mr properties only behind
-// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE; later versions declare them unconditionally.
-#if defined(CCCL_VERSION) &&                                                                       \
-    (defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) || CCCL_VERSION >= 3001000)
+#if defined(CCCL_VERSION) && CCCL_VERSION >= 3001000
+#include <cuda/memory_resource>
 #define CUDAWAIT_HAS_CUDA_MR 1
+#elif defined(CCCL_VERSION)
+#if !defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) && !defined(_CUDA_MEMORY_RESOURCE) && \
+    !defined(_CUDA__MEMORY_RESOURCE_PROPERTIES_H)
+#define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+#endif
+#include <cuda/memory_resource>
+#if defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE)
+#define CUDAWAIT_HAS_CUDA_MR 1
+#else
+#define CUDAWAIT_HAS_CUDA_MR 0
+#endif
 #else
 #define CUDAWAIT_HAS_CUDA_MR 0
 #endif
@@ -76,24 +104,32 @@ constexpr std::size_t operator""_GiB(unsigned long long n) {
 }
 } // namespace literals
 
-/// Thrown when a request would take the pool past its cap on page-locked bytes, after cached
-/// free memory was given back and the request retried.
+/// Thrown when a request would take the pool past its cap on page-locked bytes, after blocks
+/// the GPU still used were waited for (up to pinned_pool_options::cap_wait) and cached free
+/// slabs were given back.
 class pool_exhausted : public std::bad_alloc {
 public:
-    pool_exhausted(std::size_t requested, std::size_t in_use, std::size_t cap)
-        : m_requested(requested), m_in_use(in_use), m_cap(cap),
+    pool_exhausted(std::size_t requested, std::size_t in_use, std::size_t pending, std::size_t cap)
+        : m_requested(requested), m_in_use(in_use), m_pending(pending), m_cap(cap),
           m_what("cudawait::pinned_pool exhausted: requested " + std::to_string(requested) +
-                 " bytes with " + std::to_string(in_use) + " bytes in use and a cap of " +
-                 std::to_string(cap) + " page-locked bytes") {}
+                 " bytes with " + std::to_string(in_use) + " bytes in use, " +
+                 std::to_string(pending) + " bytes pending (freed, the GPU still using them) " +
+                 "and a cap of " + std::to_string(cap) + " page-locked bytes") {}
 
     [[nodiscard]] const char* what() const noexcept override { return m_what.c_str(); }
+    /// The bytes asked for.
     [[nodiscard]] std::size_t requested() const noexcept { return m_requested; }
+    /// Bytes in blocks handed out and not freed.
     [[nodiscard]] std::size_t in_use() const noexcept { return m_in_use; }
+    /// Bytes in freed blocks whose recorded GPU work had not completed.
+    [[nodiscard]] std::size_t pending() const noexcept { return m_pending; }
+    /// The pool's cap on page-locked bytes.
     [[nodiscard]] std::size_t cap() const noexcept { return m_cap; }
 
 private:
     std::size_t m_requested;
     std::size_t m_in_use;
+    std::size_t m_pending;
     std::size_t m_cap;
     std::string m_what;
 };
@@ -294,7 +330,9 @@ private:
 
 /// How a pinned_pool behaves; every field has a default.
 struct pinned_pool_options {
-    /// Cap on page-locked bytes the pool holds; 0 means 25% of physical memory.
+    /// Cap on page-locked bytes the pool holds. 0 means a quarter of the memory this process
+    /// may use: physical memory, or its cgroup's memory limit when that is lower (a container's
+    /// limit; see detail::cgroup_memory_limit).
     std::size_t max_pinned_bytes = 0;
     /// Smallest growth step. A request larger than this grows the pool by its own size.
     std::size_t slab_bytes = 64_MiB;
@@ -304,6 +342,12 @@ struct pinned_pool_options {
     std::shared_ptr<slab_source> upstream;
     /// nullptr: an event_use_tracker.
     std::shared_ptr<use_tracker> tracker;
+    /// At the cap, how long a request waits for pending blocks (freed, their GPU work still in
+    /// flight) to come back before free slabs are given back and, failing that, pool_exhausted
+    /// is thrown. The pool checks them with a back-off from 20 us to 1 ms, and another thread's
+    /// free ends a wait at once. There is no wait when nothing is pending or when the bytes in
+    /// use plus the request exceed the cap: no block would come back. Zero: never wait.
+    std::chrono::nanoseconds cap_wait = std::chrono::seconds(1);
 };
 
 /// What a pool has done so far.
@@ -315,6 +359,10 @@ struct pinned_pool_stats {
     std::size_t peak_requested_bytes = 0; ///< with peak_reserved_bytes: the pool's waste
     std::size_t peak_reserved_bytes = 0;
     std::size_t pending_bytes = 0; ///< freed, waiting for the GPU to finish with them
+    std::size_t peak_pending_bytes = 0;
+    /// The peak of in_use_bytes + pending_bytes: what the pool had to hold at once. Reserved
+    /// bytes far above it mean the pool grew where it could have reused memory.
+    std::size_t peak_in_use_and_pending_bytes = 0;
     std::size_t blocks_in_use = 0;
     std::uint64_t hits = 0;   ///< requests served without growing
     std::uint64_t misses = 0; ///< requests that grew the pool
@@ -334,6 +382,121 @@ inline std::size_t physical_memory_bytes() noexcept {
     return 16_GiB;
 }
 
+// The whole of a small file (a /proc or cgroup file); false when it cannot be opened.
+inline bool read_small_file(const std::string& path, std::string& text) {
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) {
+        return false;
+    }
+    text.clear();
+    char buf[512];
+    std::size_t n = 0;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) {
+        text.append(buf, n);
+    }
+    std::fclose(f);
+    return true;
+}
+
+// A cgroup limit file's value in bytes; 0 for none: "max", empty or not a number.
+inline std::size_t parse_memory_limit(const std::string& text) noexcept {
+    std::size_t bytes = 0;
+    std::size_t i = 0;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+        auto digit = static_cast<std::size_t>(text[i] - '0');
+        if (bytes > (~std::size_t{0} - digit) / 10) {
+            return 0;
+        }
+        bytes = bytes * 10 + digit;
+        ++i;
+    }
+    bool rest_blank = text.find_first_not_of(" \t\n", i) == std::string::npos;
+    return i > 0 && rest_blank ? bytes : 0;
+}
+
+// The lowest limit `file` holds for the cgroup at `path` below `mount` and for the cgroups
+// above it (a parent's limit binds its children too); 0 when none has one. The walk ends at the
+// mount's root, which is the process's own cgroup when the mount does not show its path (inside
+// a container, /proc/self/cgroup may name the host's path).
+inline std::size_t lowest_memory_limit(const std::string& mount, std::string path,
+                                       const char* file) {
+    std::size_t lowest = 0;
+    for (;;) {
+        std::string text;
+        std::string dir = path == "/" ? mount : mount + path;
+        if (read_small_file(dir + "/" + file, text)) {
+            std::size_t limit = parse_memory_limit(text);
+            if (limit != 0 && (lowest == 0 || limit < lowest)) {
+                lowest = limit;
+            }
+        }
+        if (path.empty() || path == "/") {
+            return lowest;
+        }
+        std::size_t slash = path.rfind('/');
+        path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+}
+
+/// The memory limit of the cgroup this process runs in, in bytes; 0 when there is none or it
+/// cannot be read. The cgroup comes from `root`/proc/self/cgroup. Under cgroup v1 the limit is
+/// memory.limit_in_bytes below `root`/sys/fs/cgroup/memory; under cgroup v2 (or where v1 sets
+/// none) it is memory.max below `root`/sys/fs/cgroup ("max": none). The lowest limit of the
+/// cgroup and the ones above it wins. `root` is empty for the real files; tests point it at a
+/// fake tree.
+inline std::size_t cgroup_memory_limit(const std::string& root = {}) noexcept {
+    try {
+        std::string text;
+        if (!read_small_file(root + "/proc/self/cgroup", text)) {
+            return 0;
+        }
+        // Lines "hierarchy-id:controllers:path"; cgroup v2's is "0::path".
+        std::string v1_path;
+        std::string v2_path;
+        std::size_t start = 0;
+        while (start < text.size()) {
+            std::size_t end = text.find('\n', start);
+            if (end == std::string::npos) {
+                end = text.size();
+            }
+            std::string line = text.substr(start, end - start);
+            start = end + 1;
+            std::size_t c1 = line.find(':');
+            std::size_t c2 = c1 == std::string::npos ? c1 : line.find(':', c1 + 1);
+            if (c2 == std::string::npos) {
+                continue;
+            }
+            std::string controllers(1, ','); // ",memory," is then found in any position
+            controllers.append(line, c1 + 1, c2 - c1 - 1).push_back(',');
+            std::string path = line.substr(c2 + 1);
+            if (line.compare(0, c2 + 1, "0::") == 0) {
+                v2_path = path;
+            } else if (controllers.find(",memory,") != std::string::npos) {
+                v1_path = path;
+            }
+        }
+        std::size_t limit = 0;
+        if (!v1_path.empty()) {
+            limit = lowest_memory_limit(root + "/sys/fs/cgroup/memory", v1_path,
+                                        "memory.limit_in_bytes");
+        }
+        if (limit == 0 && !v2_path.empty()) {
+            limit = lowest_memory_limit(root + "/sys/fs/cgroup", v2_path, "memory.max");
+        }
+        return limit;
+    } catch (const std::exception&) {
+        return 0;
+    }
+}
+
+/// The memory this process may use: physical memory, or its cgroup's memory limit when that is
+/// lower. `root` as for cgroup_memory_limit.
+inline std::size_t usable_memory_bytes(const std::string& root = {}) noexcept {
+    std::size_t physical = physical_memory_bytes();
+    std::size_t limit = cgroup_memory_limit(root);
+    return limit != 0 && limit < physical ? limit : physical;
+}
+
 struct pool_block_extra {
     std::size_t requested = 0;
     std::vector<std::pair<cudaStream_t, use_token>> uses; ///< latest mark per stream
@@ -349,7 +512,15 @@ struct pool_block_extra {
 /// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary.
 ///
 /// A freed block on which record_use() was called is handed out again only once every stream
-/// that used it passed the recorded point. Thread-safe; CUDA calls are made outside the lock.
+/// that used it passed the recorded point. Until then it is pending. Pending blocks are checked
+/// (one query per recorded use) when a request finds no free block, and by record_use() once
+/// they reach twice the bytes the last check left pending plus an eighth of a slab, or twice the
+/// blocks plus 32: checks cost O(1) per block, and blocks whose uses completed do not pile up.
+///
+/// When a request finds no free block, the pool grows only after a check that saw every block
+/// pending at that moment, and one thread grows it at a time: threads that miss together wait
+/// for the check or the growth in progress and look again. Thread-safe; CUDA calls are made
+/// outside the lock, and the hit path (free memory cached) takes one lock and makes no call.
 class pinned_pool : public std::pmr::memory_resource {
 public:
     /// The smallest alignment and size step of a block.
@@ -363,12 +534,13 @@ public:
             m_options.tracker = std::make_shared<event_use_tracker>();
         }
         if (m_options.max_pinned_bytes == 0) {
-            m_options.max_pinned_bytes = detail::physical_memory_bytes() / 4;
+            m_options.max_pinned_bytes = detail::usable_memory_bytes() / 4;
         }
         if (m_options.slab_bytes == 0) {
             throw usage_error("pinned_pool: slab_bytes must be non-zero");
         }
         m_options.slab_bytes = heap::round_up(m_options.slab_bytes, slab_alignment);
+        m_check_at_bytes = m_options.slab_bytes / 8;
     }
 
     pinned_pool(const pinned_pool&) = delete;
@@ -408,9 +580,11 @@ public:
     }
 
     /// A block of at least `bytes`, aligned to `alignment` (a power of two up to 2 MiB; at
-    /// least 256 is given).
-    /// @throws usage_error for zero bytes or a bad alignment; pool_exhausted at the cap;
-    ///         cuda_error or std::bad_alloc when the upstream fails
+    /// least 256 is given). At the cap it first waits (up to pinned_pool_options::cap_wait) for
+    /// pending blocks whose GPU work is still in flight, then gives free slabs back.
+    /// @throws usage_error for zero bytes or a bad alignment; pool_exhausted when the request
+    ///         still does not fit under the cap; cuda_error or std::bad_alloc when the upstream
+    ///         fails
     [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment = granule) {
         if (bytes == 0) {
             throw usage_error("pinned_pool::allocate: zero bytes requested");
@@ -420,7 +594,9 @@ public:
                               "2 MiB");
         }
         if (bytes > max_request) {
-            throw pool_exhausted(bytes, stats().in_use_bytes, m_options.max_pinned_bytes);
+            auto s = stats();
+            throw pool_exhausted(bytes, s.in_use_bytes, s.pending_bytes,
+                                 m_options.max_pinned_bytes);
         }
         std::size_t size = heap::round_up(bytes, granule);
         std::size_t align = std::max(alignment, granule);
@@ -445,6 +621,7 @@ public:
         block* b = take_back(p);
         if (b->uses.empty()) {
             m_heap.free(b);
+            notify_waiters();
             return;
         }
         b->pending = true;
@@ -456,12 +633,15 @@ public:
         }
         m_pending_tail = b;
         m_pending_bytes += b->size;
+        ++m_pending_blocks;
+        m_peak_pending = std::max(m_peak_pending, m_pending_bytes);
     }
     /// The cuda::mr / std::pmr form; size and alignment are not needed.
     void deallocate(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
 
     /// Records that work enqueued on `s` so far may use the block holding `p` (an interior
-    /// pointer is fine). Once freed, the block is reused only after that work completed.
+    /// pointer is fine). Once freed, the block is reused only after that work completed. Now and
+    /// then it also checks the pending blocks (see the class comment).
     /// @throws usage_error when `p` is not in a block handed out by this pool; cuda_error
     void record_use(const void* p, stream_ref s) {
         use_token t = m_options.tracker->record(s);
@@ -487,6 +667,12 @@ public:
             if (!replaced) {
                 b->uses.emplace_back(s.get(), t);
             }
+            // Pending blocks have doubled since the last check: check them now, so that those
+            // whose uses completed are reused before the pool runs out of free memory.
+            if (!m_collecting &&
+                (m_pending_bytes >= m_check_at_bytes || m_pending_blocks >= m_check_at_blocks)) {
+                collect_pass(lock);
+            }
         }
         if (replaced) {
             m_options.tracker->release(old);
@@ -502,100 +688,36 @@ public:
     /// Grows the pool until it holds at least `bytes` page-locked bytes.
     /// @throws pool_exhausted past the cap; cuda_error or std::bad_alloc from the upstream
     void reserve(std::size_t bytes) {
+        std::unique_lock lock(m_mutex);
         for (;;) {
-            std::size_t step = 0;
-            {
-                std::lock_guard lock(m_mutex);
-                std::size_t held = m_reserved + m_growing;
-                if (held >= bytes) {
-                    return;
-                }
-                step = std::min(heap::round_up(bytes - held, slab_alignment),
-                                registered_slab_source::max_slab_bytes);
-                if (held + step > m_options.max_pinned_bytes) {
-                    throw pool_exhausted(bytes - held, m_in_use, m_options.max_pinned_bytes);
-                }
-                m_growing += step;
+            std::size_t held = m_reserved + m_growing;
+            if (held >= bytes) {
+                return;
             }
-            grow(step);
+            std::size_t step = std::min(heap::round_up(bytes - held, slab_alignment),
+                                        registered_slab_source::max_slab_bytes);
+            if (held + step > m_options.max_pinned_bytes) {
+                throw pool_exhausted(bytes - held, m_in_use, m_pending_bytes,
+                                     m_options.max_pinned_bytes);
+            }
+            grow(lock, step);
         }
     }
 
     /// Moves blocks whose recorded uses completed back into circulation (this also happens on
-    /// its own before the pool grows). Returns the bytes made free.
+    /// its own, see the class comment). Waits for a check another thread is making, then makes
+    /// one. Returns the bytes made free by this call's check.
     std::size_t collect() {
-        block* list = nullptr;
-        {
-            std::lock_guard lock(m_mutex);
-            list = m_pending_head;
-            m_pending_head = m_pending_tail = nullptr;
-        }
-        if (list == nullptr) {
-            return 0;
-        }
-        std::vector<block*> done;
-        std::vector<block*> waiting;
-        for (block* b = list; b != nullptr; b = static_cast<block*>(b->next_pending)) {
-            (all_done(b) ? done : waiting).push_back(b);
-        }
-        std::vector<use_token> tokens;
-        std::size_t freed = 0;
-        {
-            std::lock_guard lock(m_mutex);
-            for (block* b : done) {
-                for (auto& u : b->uses) {
-                    tokens.push_back(u.second);
-                }
-                b->uses.clear();
-                b->pending = false;
-                m_pending_bytes -= b->size;
-                freed += b->size;
-                m_heap.free(b);
-            }
-            // Still pending: back in front of anything freed meanwhile, in their old order.
-            block* head = nullptr;
-            for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
-                (*it)->next_pending = head;
-                head = *it;
-            }
-            if (head != nullptr) {
-                waiting.back()->next_pending = m_pending_head;
-                if (m_pending_head == nullptr) {
-                    m_pending_tail = waiting.back();
-                }
-                m_pending_head = head;
-            }
-        }
-        for (use_token t : tokens) {
-            m_options.tracker->release(t);
-        }
-        return freed;
+        std::unique_lock lock(m_mutex);
+        wait_while(lock, [this] { return m_collecting; });
+        return collect_pass(lock);
     }
 
     /// Gives slabs with nothing handed out or pending back to the upstream. Returns the bytes.
     std::size_t release_unused() {
         collect();
-        std::vector<std::pair<void*, std::size_t>> slabs;
-        {
-            std::lock_guard lock(m_mutex);
-            std::vector<heap::region*> unused;
-            for (const auto& r : m_heap.regions()) {
-                if (heap::region_unused(r.get())) {
-                    unused.push_back(r.get());
-                }
-            }
-            for (heap::region* r : unused) {
-                slabs.emplace_back(r->base, r->bytes);
-                m_reserved -= r->bytes;
-                m_heap.remove_region(r);
-            }
-        }
-        std::size_t bytes = 0;
-        for (auto [p, n] : slabs) {
-            m_options.upstream->deallocate(p, n);
-            bytes += n;
-        }
-        return bytes;
+        std::unique_lock lock(m_mutex);
+        return release_unused(lock);
     }
 
     [[nodiscard]] pinned_pool_stats stats() const {
@@ -608,6 +730,8 @@ public:
         s.peak_requested_bytes = m_peak_requested;
         s.peak_reserved_bytes = m_peak_reserved;
         s.pending_bytes = m_pending_bytes;
+        s.peak_pending_bytes = m_peak_pending;
+        s.peak_in_use_and_pending_bytes = m_peak_held;
         s.blocks_in_use = m_used.size();
         s.hits = m_hits;
         s.misses = m_misses;
@@ -621,10 +745,41 @@ public:
         return m_options.max_pinned_bytes;
     }
 
-    /// Pool capacity for an N-stage pipeline: every stage double-buffered, in and out.
+    /// The rule of thumb for a pipeline's staging buffers: `stages` x `max_batch_bytes` x 2.
+    /// `stages` is the pipeline's depth (pipeline_options::depth, its slots), not the number of
+    /// kernel stages; `max_batch_bytes` is the larger of a chunk's input and output bytes. While
+    /// a pipeline stages pageable memory, streams, or replays graphs, each slot holds one pinned
+    /// input and one pinned output chunk, for as long as the pipeline lives. The figure leaves
+    /// out the pool's rounding (256 bytes) and placement (blocks of 2 MiB and more start on a
+    /// 2 MiB boundary), so reserving it may fall short by a few MiB: for reserve(), use the
+    /// three-argument form.
     [[nodiscard]] static constexpr std::size_t size_for(std::size_t stages,
                                                         std::size_t max_batch_bytes) noexcept {
         return stages * max_batch_bytes * 2;
+    }
+
+    /// What reserve() must hold, on a pool with nothing else in it, so that the staging buffers
+    /// of a pipeline with `depth` slots, chunks of `input_chunk_bytes` in and
+    /// `output_chunk_bytes` out, never grow it, whatever order the slots take them in: each
+    /// buffer rounded to 256 bytes; one of `large_block_bytes` (the pool's option) or more
+    /// rounded up to 2 MiB, or, when buffers below that size can sit between them, given
+    /// 2 MiB - 256 bytes of room for its alignment instead.
+    [[nodiscard]] static constexpr std::size_t
+    size_for(std::size_t depth, std::size_t input_chunk_bytes, std::size_t output_chunk_bytes,
+             std::size_t large_block_bytes = 2_MiB) noexcept {
+        auto rounded = [](std::size_t n) { return heap::round_up(n, granule); };
+        auto large = [&](std::size_t n) { return n != 0 && rounded(n) >= large_block_bytes; };
+        auto small = [&](std::size_t n) { return n != 0 && !large(n); };
+        bool mixed = (large(input_chunk_bytes) || large(output_chunk_bytes)) &&
+                     (small(input_chunk_bytes) || small(output_chunk_bytes));
+        auto footprint = [&](std::size_t n) {
+            if (!large(n)) {
+                return rounded(n);
+            }
+            return mixed ? rounded(n) + slab_alignment - granule
+                         : heap::round_up(n, slab_alignment);
+        };
+        return depth * (footprint(input_chunk_bytes) + footprint(output_chunk_bytes));
     }
 
     /// The cuda::mr synchronous-resource spelling of allocate / deallocate (CCCL 3.1 and later).
@@ -634,11 +789,6 @@ public:
     void deallocate_sync(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
 
     friend bool operator==(const pinned_pool& a, const pinned_pool& b) noexcept { return &a == &b; }
-
-#if CUDAWAIT_HAS_CUDA_MR
-    friend constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexcept {}
-    friend constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
-#endif
 
 private:
     using heap = detail::block_heap<detail::pool_block_extra>;
@@ -663,6 +813,7 @@ private:
         m_requested += requested;
         m_peak_in_use = std::max(m_peak_in_use, m_in_use);
         m_peak_requested = std::max(m_peak_requested, m_requested);
+        m_peak_held = std::max(m_peak_held, m_in_use + m_pending_bytes);
         return b->ptr;
     }
 
@@ -692,83 +843,241 @@ private:
         return b;
     }
 
-    bool all_done(block* b) {
+    // True when every recorded use of `b` completed. Never throws: a query that fails leaves
+    // the block pending, except after a sticky error (the context is broken, the device
+    // touches no memory any more, and the error resurfaces at the next CUDA call).
+    bool all_done(block* b) noexcept {
         for (auto& u : b->uses) {
             try {
                 if (!m_options.tracker->done(u.second)) {
                     return false;
                 }
             } catch (const cuda_error& e) {
-                // The context is broken: the device touches no memory any more, so the block is
-                // safe to reuse. The error itself resurfaces at the next CUDA call.
+                if (!e.sticky()) {
+                    return false;
+                }
                 std::fprintf(stderr, "cudawait: pinned_pool: %s\n", e.what());
+            } catch (const std::exception& e) {
+                std::fprintf(stderr, "cudawait: pinned_pool: use_tracker::done: %s\n", e.what());
+                return false;
             }
         }
         return true;
     }
 
-    void* allocate_slow(std::size_t bytes, std::size_t size, std::size_t align) {
-        bool released = false;
-        for (;;) {
-            collect();
-            std::size_t step = 0;
-            {
-                std::lock_guard lock(m_mutex);
-                if (block* b = m_heap.allocate(size, align)) {
-                    ++m_hits;
-                    return hand_out(b, bytes);
-                }
-                std::size_t need = heap::round_up(size, slab_alignment);
-                std::size_t held = m_reserved + m_growing;
-                std::size_t cap = m_options.max_pinned_bytes;
-                if (held + need <= cap) {
-                    step = std::min(std::max(need, m_options.slab_bytes), cap - held);
-                    step = step / slab_alignment * slab_alignment;
-                    m_growing += step;
-                } else if (released) {
-                    throw pool_exhausted(bytes, m_in_use, cap);
-                }
-            }
-            if (step == 0) {
-                // At the cap: hand cached slabs back, then try once more.
-                release_unused();
-                released = true;
-                continue;
-            }
-            grow(step);
-            std::lock_guard lock(m_mutex);
-            if (block* b = m_heap.allocate(size, align)) {
-                ++m_misses;
-                return hand_out(b, bytes);
-            }
-            // Another thread took the new memory first: go round again.
+    // Waits on the pool's condition until `pred` is false. Under the lock.
+    template <class Pred>
+    void wait_while(std::unique_lock<std::mutex>& lock, Pred pred) {
+        while (pred()) {
+            ++m_waiters;
+            m_cv.wait(lock);
+            --m_waiters;
         }
     }
 
-    // `step` was added to m_growing under the lock by the caller.
-    void grow(std::size_t step) {
+    // Under the lock. No system call unless a thread waits.
+    void notify_waiters() noexcept {
+        if (m_waiters != 0) {
+            m_cv.notify_all();
+        }
+    }
+
+    // One check of every pending block: those whose uses completed go back to the heap. Called
+    // and returns with `lock` held and no other check running; the tracker is queried without
+    // the lock. Meanwhile m_collecting tells other threads that the pending blocks are being
+    // looked at, so that they wait for the outcome instead of taking the pool for exhausted.
+    std::size_t collect_pass(std::unique_lock<std::mutex>& lock) noexcept {
+        assert(!m_collecting);
+        block* list = std::exchange(m_pending_head, nullptr);
+        m_pending_tail = nullptr;
+        if (list == nullptr) {
+            return 0;
+        }
+        m_collecting = true;
+        ++m_checks_started;
+        lock.unlock();
+        block* done = nullptr;
+        block* waiting = nullptr;
+        block* waiting_tail = nullptr;
+        for (block* b = list; b != nullptr;) {
+            auto* next = static_cast<block*>(b->next_pending);
+            if (all_done(b)) {
+                // Out of every list and owned by this check alone until it is freed below.
+                for (auto& u : b->uses) {
+                    m_options.tracker->release(u.second);
+                }
+                b->uses.clear();
+                b->next_pending = done;
+                done = b;
+            } else {
+                b->next_pending = nullptr;
+                if (waiting_tail != nullptr) {
+                    waiting_tail->next_pending = b;
+                } else {
+                    waiting = b;
+                }
+                waiting_tail = b;
+            }
+            b = next;
+        }
+        lock.lock();
+        std::size_t freed = 0;
+        for (block* b = done; b != nullptr;) {
+            auto* next = static_cast<block*>(b->next_pending);
+            b->pending = false;
+            b->next_pending = nullptr;
+            m_pending_bytes -= b->size;
+            --m_pending_blocks;
+            freed += b->size;
+            m_heap.free(b);
+            b = next;
+        }
+        // Still pending: back in front of anything freed meanwhile, in their old order.
+        if (waiting != nullptr) {
+            waiting_tail->next_pending = m_pending_head;
+            if (m_pending_head == nullptr) {
+                m_pending_tail = waiting_tail;
+            }
+            m_pending_head = waiting;
+        }
+        m_collecting = false;
+        ++m_checks_finished;
+        m_check_at_bytes = 2 * m_pending_bytes + m_options.slab_bytes / 8;
+        m_check_at_blocks = 2 * m_pending_blocks + 32;
+        notify_waiters();
+        return freed;
+    }
+
+    void* allocate_slow(std::size_t bytes, std::size_t size, std::size_t align) {
+        std::unique_lock lock(m_mutex);
+        // A check numbered `first_check` or later sees every block pending now.
+        const std::uint64_t first_check = m_checks_started + 1;
+        const std::size_t need = heap::round_up(size, slab_alignment);
+        const std::size_t cap = m_options.max_pinned_bytes;
+        bool released = false;
+        bool waited = false;
+        std::chrono::steady_clock::time_point deadline;
+        std::chrono::microseconds poll(20);
+        for (;;) {
+            if (block* b = m_heap.allocate(size, align)) {
+                ++m_hits;
+                return hand_out(b, bytes);
+            }
+            // Blocks whose uses completed, before anything else.
+            if (m_checks_finished < first_check && (m_collecting || m_pending_head != nullptr)) {
+                if (m_collecting) {
+                    wait_while(lock, [this] { return m_collecting; });
+                } else {
+                    collect_pass(lock);
+                }
+                continue;
+            }
+            // Another thread is growing the pool: its slab may serve this request too.
+            if (m_growing != 0) {
+                wait_while(lock, [this] { return m_growing != 0; });
+                continue;
+            }
+            if (m_reserved + need <= cap) {
+                std::size_t step = std::min(std::max(need, m_options.slab_bytes), cap - m_reserved);
+                grow(lock, step / slab_alignment * slab_alignment);
+                if (block* b = m_heap.allocate(size, align)) { // the new slab holds it
+                    ++m_misses;
+                    return hand_out(b, bytes);
+                }
+                continue;
+            }
+            // At the cap. Blocks the GPU still uses will come back: wait for them, a while.
+            if (m_pending_bytes != 0 && m_in_use + size <= cap &&
+                m_options.cap_wait > std::chrono::nanoseconds::zero()) {
+                auto now = std::chrono::steady_clock::now();
+                if (!waited) {
+                    waited = true;
+                    deadline = now + m_options.cap_wait;
+                }
+                if (now < deadline) {
+                    if (m_collecting) {
+                        wait_while(lock, [this] { return m_collecting; });
+                    } else if (collect_pass(lock) == 0) {
+                        // Nothing completed yet. Another thread's free also ends the sleep.
+                        ++m_waiters;
+                        m_cv.wait_for(lock,
+                                      std::min<std::chrono::nanoseconds>(poll, deadline - now));
+                        --m_waiters;
+                        poll = std::min(poll * 2, std::chrono::microseconds(1000));
+                    }
+                    continue;
+                }
+            }
+            // Hand cached slabs back, then try once more.
+            if (!released) {
+                released = true;
+                release_unused(lock);
+                continue;
+            }
+            throw pool_exhausted(bytes, m_in_use, m_pending_bytes, cap);
+        }
+    }
+
+    // Adds a slab of `step` bytes. Called and returns with `lock` held; the upstream is called
+    // without it, and m_growing tells other threads that memory is on its way.
+    void grow(std::unique_lock<std::mutex>& lock, std::size_t step) {
+        m_growing += step;
+        lock.unlock();
         auto start = std::chrono::steady_clock::now();
         void* p = nullptr;
         try {
             p = m_options.upstream->allocate(step);
         } catch (...) {
-            std::lock_guard lock(m_mutex);
+            lock.lock();
             m_growing -= step;
+            notify_waiters();
             throw;
         }
         auto elapsed = std::chrono::steady_clock::now() - start;
-        std::lock_guard lock(m_mutex);
+        lock.lock();
         m_growing -= step;
+        notify_waiters();
         try {
             m_heap.add_region(static_cast<std::byte*>(p), step);
         } catch (...) {
+            lock.unlock();
             m_options.upstream->deallocate(p, step);
+            lock.lock();
             throw;
         }
         m_reserved += step;
         m_peak_reserved = std::max(m_peak_reserved, m_reserved);
         ++m_growth_count;
         m_growth_time += std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
+    }
+
+    // Gives unused slabs back to the upstream. Called and returns with `lock` held; the
+    // upstream is called without it.
+    std::size_t release_unused(std::unique_lock<std::mutex>& lock) {
+        std::vector<std::pair<void*, std::size_t>> slabs;
+        std::vector<heap::region*> unused;
+        for (const auto& r : m_heap.regions()) {
+            if (heap::region_unused(r.get())) {
+                unused.push_back(r.get());
+            }
+        }
+        slabs.reserve(unused.size());
+        for (heap::region* r : unused) {
+            slabs.emplace_back(r->base, r->bytes);
+            m_reserved -= r->bytes;
+            m_heap.remove_region(r);
+        }
+        if (slabs.empty()) {
+            return 0;
+        }
+        lock.unlock();
+        std::size_t bytes = 0;
+        for (auto [p, n] : slabs) {
+            m_options.upstream->deallocate(p, n);
+            bytes += n;
+        }
+        lock.lock();
+        return bytes;
     }
 
     void drain_pending() noexcept {
@@ -792,6 +1101,7 @@ private:
             b->uses.clear();
             b->pending = false;
             m_pending_bytes -= b->size;
+            --m_pending_blocks;
             m_heap.free(b);
             b = next;
         }
@@ -799,10 +1109,18 @@ private:
 
     pinned_pool_options m_options;
     mutable std::mutex m_mutex;
+    std::condition_variable m_cv; ///< a check or a growth finished, or a block was freed
+    std::size_t m_waiters = 0;    ///< threads waiting on m_cv
     heap m_heap;
     detail::ptr_map<block*> m_used;
-    block* m_pending_head = nullptr;
+    block* m_pending_head = nullptr; ///< oldest first
     block* m_pending_tail = nullptr;
+    std::size_t m_pending_blocks = 0;
+    bool m_collecting = false; ///< a check is querying the pending blocks it took out
+    std::uint64_t m_checks_started = 0;
+    std::uint64_t m_checks_finished = 0;
+    std::size_t m_check_at_bytes = 0; ///< record_use checks pending blocks from here on
+    std::size_t m_check_at_blocks = 32;
     std::size_t m_in_use = 0;
     std::size_t m_requested = 0;
     std::size_t m_reserved = 0;
@@ -811,11 +1129,22 @@ private:
     std::size_t m_peak_requested = 0;
     std::size_t m_peak_reserved = 0;
     std::size_t m_pending_bytes = 0;
+    std::size_t m_peak_pending = 0;
+    std::size_t m_peak_held = 0; ///< of in use + pending
     std::uint64_t m_hits = 0;
     std::uint64_t m_misses = 0;
     std::uint64_t m_growth_count = 0;
     std::chrono::nanoseconds m_growth_time{0};
 };
+
+#if CUDAWAIT_HAS_CUDA_MR
+// The cuda::mr properties, found by argument-dependent lookup. Free functions rather than
+// friends, so that the class reads the same in translation units without libcu++'s resources.
+/// The pool's memory is host-accessible.
+constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexcept {}
+/// The pool's memory is device-accessible (page-locked and registered for every device).
+constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
+#endif
 
 /// The process-wide pool that copies stage pageable memory through. It lives until the process
 /// ends (it is never destroyed, so no static destruction order can free memory still in use).
