@@ -1050,6 +1050,14 @@ public:
         report(cudaStreamDestroy(s), "cudaStreamDestroy");
     }
 
+    /// Idle streams of device `dev` held for reuse.
+    [[nodiscard]] std::size_t cached(int dev) {
+        std::lock_guard lock(m_mutex);
+        return static_cast<std::size_t>(dev) < m_free.size()
+                   ? m_free[static_cast<std::size_t>(dev)].size()
+                   : 0;
+    }
+
 private:
     relay_stream_cache() = default;
     std::mutex m_mutex;
