@@ -732,7 +732,7 @@ TEST_F(scheduler_gpu, with_timeout_on_an_owning_stream_destroyed_right_after) {
 // (which may get the same handle) is awaited on its own, and the abandoned wait completes with
 // the old work. CUDA does not promise that the new stream's kernels run beside the old stream's
 // blocked one (the two may share a hardware queue), so the flag is raised before the new
-// stream's work is awaited.
+// stream's work is awaited; the destroy may come before or after the old work ends.
 TEST_F(scheduler_gpu, with_timeout_on_a_raw_stream_destroyed_while_its_work_runs) {
     scheduler s;
     mapped_words flag(1);
@@ -750,13 +750,14 @@ TEST_F(scheduler_gpu, with_timeout_on_a_raw_stream_destroyed_while_its_work_runs
         } catch (const timeout_error&) {
             timed_out = true;
         }
-        check(cudaStreamDestroy(raw), "cudaStreamDestroy");
-        // The abandoned wait is an event wait; no stream wait refers to the destroyed handle.
+        // The abandoned wait is an event wait; no stream wait refers to the stream's handle.
         const auto left = s.pending();
         const bool held_by_event = left.event_waits == 1 && left.stream_waits == 0;
         const bool old_work_pending = out.read(0) == 0xBADC0DEu;
-        stream fresh;
+        // Raised before the destroy, which compute-sanitizer makes wait for the stream's work.
         reinterpret_cast<volatile std::uint32_t*>(flag.host)[0] = 1;
+        check(cudaStreamDestroy(raw), "cudaStreamDestroy");
+        stream fresh;
         check(cudawait::testing::launch_spin(1'000'000, out.device + 1, 0xF2E54u, fresh.get()),
               "launch_spin");
         co_await fresh;
