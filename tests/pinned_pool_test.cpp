@@ -37,6 +37,7 @@
 #include "gpu_fixture.hpp"
 #include "host_pool.hpp"
 #include "no_device.hpp"
+#include "cuda_mr_ref.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -54,20 +55,9 @@ using cudawait::use_token;
 static_assert(CUDAWAIT_HAS_CUDA_MR == 1, "libcu++ is here, so the pool is a cuda::mr resource");
 #endif
 #if CUDAWAIT_HAS_CUDA_MR
-#if CCCL_VERSION >= 3001000
-static_assert(cuda::mr::synchronous_resource_with<pinned_pool, cuda::mr::host_accessible,
-                                                  cuda::mr::device_accessible>);
-using pool_ref =
-    cuda::mr::synchronous_resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
-void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate_sync(n, 256); }
-void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate_sync(p, n, 256); }
-#else
-static_assert(
-    cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible, cuda::mr::device_accessible>);
-using pool_ref = cuda::mr::resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
-void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate(n, 256); }
-void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate(p, n, 256); }
-#endif
+using cudawait::testing::pool_ref;
+using cudawait::testing::ref_allocate;
+using cudawait::testing::ref_deallocate;
 #endif
 static_assert(std::is_base_of_v<std::pmr::memory_resource, pinned_pool>);
 static_assert(std::is_base_of_v<std::bad_alloc, pool_exhausted>);

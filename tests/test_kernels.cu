@@ -173,6 +173,8 @@ cudaError_t launch_square_sub(const std::uint32_t* in, std::uint32_t* out, std::
 
 #include <cudawait/pinned_pool.hpp>
 
+#include "cuda_mr_ref.hpp"
+
 #if __has_include(<cuda/memory_resource>)
 static_assert(CUDAWAIT_HAS_CUDA_MR == 1, "libcu++ is here, so the pool is a cuda::mr resource");
 #endif
@@ -180,23 +182,6 @@ static_assert(CUDAWAIT_HAS_CUDA_MR == 1, "libcu++ is here, so the pool is a cuda
 namespace cudawait::testing {
 
 #if CUDAWAIT_HAS_CUDA_MR
-namespace {
-#if CCCL_VERSION >= 3001000
-static_assert(cuda::mr::synchronous_resource_with<pinned_pool, cuda::mr::host_accessible,
-                                                  cuda::mr::device_accessible>);
-using pool_ref =
-    cuda::mr::synchronous_resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
-void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate_sync(n, 256); }
-void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate_sync(p, n, 256); }
-#else
-static_assert(
-    cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible, cuda::mr::device_accessible>);
-using pool_ref = cuda::mr::resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
-void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate(n, 256); }
-void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate(p, n, 256); }
-#endif
-} // namespace
-
 bool cuda_mr_in_nvcc_unit() { return true; }
 void* allocate_through_cuda_mr(pinned_pool& pool, std::size_t bytes) {
     return ref_allocate(pool_ref{pool}, bytes);

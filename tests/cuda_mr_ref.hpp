@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The pinned pool through a cuda::mr resource reference, in whichever spelling the CCCL on the
+// include path has: `synchronous_resource_ref` with allocate_sync (CCCL 3.1 and later) or
+// `resource_ref` with allocate (CCCL 3.0). Included by a g++ unit and an nvcc unit, neither of
+// which defines LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE.
+
+#include <cudawait/pinned_pool.hpp>
+
+#include <cstddef>
+
+#if CUDAWAIT_HAS_CUDA_MR
+namespace cudawait::testing {
+#if CCCL_VERSION >= 3001000
+static_assert(cuda::mr::synchronous_resource_with<pinned_pool, cuda::mr::host_accessible,
+                                                  cuda::mr::device_accessible>);
+using pool_ref =
+    cuda::mr::synchronous_resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
+inline void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate_sync(n, 256); }
+inline void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate_sync(p, n, 256); }
+#else
+static_assert(
+    cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible, cuda::mr::device_accessible>);
+using pool_ref = cuda::mr::resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
+inline void* ref_allocate(pool_ref r, std::size_t n) { return r.allocate(n, 256); }
+inline void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate(p, n, 256); }
+#endif
+} // namespace cudawait::testing
+#endif
