@@ -1138,6 +1138,23 @@ TEST(pinned_pool_no_device, growth_without_a_device_is_a_cuda_error) {
 
 class pinned_pool_gpu : public cudawait::testing::gpu_test {};
 
+// Pool blocks through the device and back: `in` H2D, mixed with `salt`, D2H into `out`, both
+// marked with record_use; returns once the stream finished. @throws cuda_error
+void mix_on_the_device(pinned_pool& pool, const std::uint32_t* in, std::uint32_t* out,
+                       std::size_t n, std::uint32_t salt) {
+    using cudawait::check;
+    cudawait::stream s;
+    std::uint32_t* d = nullptr;
+    check(cudaMallocAsync(&d, n * 4, s.get()), "cudaMallocAsync");
+    check(cudaMemcpyAsync(d, in, n * 4, cudaMemcpyHostToDevice, s.get()), "cudaMemcpyAsync");
+    check(cudawait::testing::launch_mix(d, n, salt, s.get()), "launch_mix");
+    check(cudaMemcpyAsync(out, d, n * 4, cudaMemcpyDeviceToHost, s.get()), "cudaMemcpyAsync");
+    pool.record_use(in, s);
+    pool.record_use(out, s);
+    check(cudaFreeAsync(d, s.get()), "cudaFreeAsync");
+    s.sync();
+}
+
 TEST_F(pinned_pool_gpu, slabs_are_page_locked_and_usable_by_the_device) {
     pinned_pool pool;
     pool.reserve(256_MiB);
@@ -1153,16 +1170,7 @@ TEST_F(pinned_pool_gpu, slabs_are_page_locked_and_usable_by_the_device) {
         h[i] = static_cast<std::uint32_t>(rng());
         back[i] = 0xdeadbeef;
     }
-    cudawait::stream s;
-    std::uint32_t* d = nullptr;
-    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(d, h, n * 4, cudaMemcpyHostToDevice, s.get()), cudaSuccess);
-    ASSERT_EQ(cudawait::testing::launch_mix(d, n, 99, s.get()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(back, d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
-    pool.record_use(h, s);
-    pool.record_use(back, s);
-    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
-    s.sync();
+    mix_on_the_device(pool, h, back, n, 99);
     cudawait::testing::mix_on_host(h, n, 99);
     for (std::size_t i = 0; i < n; ++i) {
         ASSERT_EQ(back[i], h[i]) << i;
@@ -1328,16 +1336,7 @@ TEST_F(pinned_pool_gpu, memory_from_cuda_mr_resource_refs_feeds_the_device) {
         in[i] = want[i] = static_cast<std::uint32_t>(rng());
         out[i] = 0xdeadbeef;
     }
-    cudawait::stream s;
-    std::uint32_t* d = nullptr;
-    ASSERT_EQ(cudaMallocAsync(&d, n * 4, s.get()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(d, in, n * 4, cudaMemcpyHostToDevice, s.get()), cudaSuccess);
-    ASSERT_EQ(cudawait::testing::launch_mix(d, n, 5, s.get()), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(out, d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
-    pool.record_use(in, s);
-    pool.record_use(out, s);
-    ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
-    s.sync();
+    mix_on_the_device(pool, in, out, n, 5);
     cudawait::testing::mix_on_host(want.data(), n, 5);
     for (std::size_t i = 0; i < n; ++i) {
         ASSERT_EQ(out[i], want[i]) << i;

@@ -373,11 +373,18 @@ pipe_t::stage flaky_stage(std::shared_ptr<std::vector<int>> fail_calls,
     };
 }
 
-cudawait::task<std::vector<std::pair<bool, bool>>>
-stream_with_failures(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
-    // Submit everything first (three slots: consume as we go), then collect: for each chunk,
-    // whether its output was right and whether the fallback made it.
-    std::vector<std::pair<bool, bool>> seen;
+/// What streaming made of one chunk.
+struct streamed {
+    bool right = false;       ///< the output matched the host reference
+    bool by_fallback = false; ///< the fallback made it
+    std::string error;        ///< what next() threw for it, if it threw
+};
+
+/// Streams `chunks` through `p`, three submitted ahead and consumed as they come, then closes it
+/// and checks that next() ends. A pipeline_error must name the chunk next() had reached.
+cudawait::task<std::vector<streamed>> stream_chunks(pipe_t& p,
+                                                    const std::vector<std::vector<u32>>& chunks) {
+    std::vector<streamed> seen;
     std::size_t submitted = 0;
     while (seen.size() < chunks.size()) {
         while (submitted < chunks.size() && submitted - seen.size() < 3) {
@@ -391,17 +398,23 @@ stream_with_failures(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
             const auto& in = chunks[r->chunk()];
             std::vector<u32> want(in.size());
             cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
-            seen.emplace_back(
-                std::equal(want.begin(), want.end(), r->data().begin(), r->data().end()),
-                r->by_fallback());
+            seen.push_back(
+                {std::equal(want.begin(), want.end(), r->data().begin(), r->data().end()),
+                 r->by_fallback(),
+                 {}});
         } catch (const pipeline_error& e) {
-            seen.emplace_back(false, false);
-            if (e.failed() != std::vector<std::size_t>{seen.size() - 1}) {
+            if (e.failed() != std::vector<std::size_t>{seen.size()}) {
                 throw;
             }
+            seen.push_back({false, false, e.what()});
+        } catch (const std::runtime_error& e) {
+            seen.push_back({false, false, e.what()});
         }
     }
     p.close();
+    if (co_await p.next()) {
+        throw std::logic_error("next() did not end after close()");
+    }
     co_return seen;
 }
 
@@ -420,15 +433,15 @@ TEST_F(pipeline_gpu, streaming_hands_a_failed_chunk_to_the_fallback_in_order) {
         pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
                  with_fallback ? pipe_t::fallback(host_fallback) : pipe_t::fallback{});
         cudawait::scheduler sched;
-        auto seen = cudawait::sync_wait(sched, stream_with_failures(p, chunks));
+        auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
         ASSERT_EQ(seen.size(), 6u);
         for (std::size_t i = 0; i < 6; ++i) {
             if (i == 2) {
-                EXPECT_EQ(seen[i].first, with_fallback) << "chunk 2's output";
-                EXPECT_EQ(seen[i].second, with_fallback) << "chunk 2 came from the fallback";
+                EXPECT_EQ(seen[i].right, with_fallback) << "chunk 2's output";
+                EXPECT_EQ(seen[i].by_fallback, with_fallback) << "chunk 2 came from the fallback";
             } else {
-                EXPECT_TRUE(seen[i].first) << "chunk " << i;
-                EXPECT_FALSE(seen[i].second) << "chunk " << i;
+                EXPECT_TRUE(seen[i].right) << "chunk " << i;
+                EXPECT_FALSE(seen[i].by_fallback) << "chunk " << i;
             }
         }
         auto st = p.stats();
@@ -808,36 +821,6 @@ TEST_F(pipeline_gpu, a_failed_chunk_whose_fallback_throws_reaches_run_and_leaks_
     EXPECT_EQ(first_mismatch(got, want), n);
 }
 
-cudawait::task<std::vector<int>>
-stream_with_a_throwing_fallback(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
-    // Per chunk: 1 output right, 0 output wrong, -1 the fallback's exception reached next().
-    std::vector<int> seen;
-    std::size_t submitted = 0;
-    while (seen.size() < chunks.size()) {
-        while (submitted < chunks.size() && submitted - seen.size() < 3) {
-            auto slot = co_await p.acquire();
-            const auto& c = chunks[submitted++];
-            std::copy(c.begin(), c.end(), slot.data().begin());
-            p.submit(std::move(slot), c.size());
-        }
-        try {
-            auto r = co_await p.next();
-            const auto& in = chunks[r->chunk()];
-            std::vector<u32> want(in.size());
-            cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
-            seen.push_back(
-                std::equal(want.begin(), want.end(), r->data().begin(), r->data().end()) ? 1 : 0);
-        } catch (const std::runtime_error& e) {
-            seen.push_back(std::string(e.what()) == "fallback refused chunk 2" ? -1 : 0);
-        }
-    }
-    p.close();
-    if (co_await p.next()) {
-        seen.push_back(0); // no end after close()
-    }
-    co_return seen;
-}
-
 TEST_F(pipeline_gpu,
        a_failed_chunk_whose_fallback_throws_in_streaming_reaches_next_and_frees_its_slot) {
     const std::size_t chunk = 10'000;
@@ -855,7 +838,11 @@ TEST_F(pipeline_gpu,
                  throw std::runtime_error("fallback refused chunk " + std::to_string(c));
              });
     cudawait::scheduler sched;
-    auto seen = cudawait::sync_wait(sched, stream_with_a_throwing_fallback(p, chunks));
+    // Per chunk: 1 output right, 0 output wrong, -1 the fallback's exception reached next().
+    std::vector<int> seen;
+    for (const streamed& c : cudawait::sync_wait(sched, stream_chunks(p, chunks))) {
+        seen.push_back(c.right ? 1 : c.error == "fallback refused chunk 2" ? -1 : 0);
+    }
     EXPECT_EQ(seen, (std::vector<int>{1, 1, -1, 1, 1, 1}));
     auto st = p.stats();
     EXPECT_EQ(st.gpu_chunks, 5u);
