@@ -4,7 +4,7 @@
 // Synopsis
 //   co_await copy(dst, src, stream);       inside a task: resumes once the bytes are in place
 //   copy_async(dst, src, stream);          enqueue only (see below for pageable memory)
-//   memory_kind classify(const void* p);   pageable, pinned, device or managed
+//   (memory_kind and classify live in memory_kind.hpp)
 //
 // `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
 // pinned_buffer, device_buffer, mapped_buffer. The direction follows from where the memory lives.
@@ -26,6 +26,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/mapped_buffer.hpp>
+#include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/scheduler.hpp>
@@ -47,30 +48,6 @@
 #include <cuda_runtime_api.h>
 
 namespace cudawait {
-
-/// Where a pointer's memory lives, as cudaPointerGetAttributes sees it.
-enum class memory_kind {
-    pageable, ///< ordinary host memory, not registered with CUDA
-    pinned,   ///< page-locked host memory (cudaHostAlloc, cudaHostRegister, the pinned pool)
-    device,   ///< device memory
-    managed,  ///< unified (managed) memory
-};
-
-/// @throws cuda_error (no driver, no device)
-[[nodiscard]] inline memory_kind classify(const void* p) {
-    cudaPointerAttributes a{};
-    check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
-    switch (a.type) {
-    case cudaMemoryTypeHost:
-        return memory_kind::pinned;
-    case cudaMemoryTypeDevice:
-        return memory_kind::device;
-    case cudaMemoryTypeManaged:
-        return memory_kind::managed;
-    default:
-        return memory_kind::pageable;
-    }
-}
 
 /// How copies stage pageable memory.
 struct copy_options {
@@ -250,22 +227,6 @@ pinned_pool* owning_pool(const R& r, const void* p, pinned_pool& fallback) {
 
 inline pinned_pool& staging_pool(const copy_options& opt) {
     return opt.pool != nullptr ? *opt.pool : default_pinned_pool();
-}
-
-// Where a range's memory lives, known from its type where possible (saving a driver query on
-// every copy of the library's own buffers).
-template <class R>
-memory_kind kind_of(const R&, const void* p) {
-    using plain = std::remove_cvref_t<R>;
-    using T = std::ranges::range_value_t<plain>;
-    if constexpr (std::is_same_v<plain, pinned_buffer<T>> ||
-                  std::is_same_v<plain, mapped_buffer<T>>) {
-        return memory_kind::pinned;
-    } else if constexpr (std::is_same_v<plain, device_buffer<T>>) {
-        return memory_kind::device;
-    } else {
-        return classify(p);
-    }
 }
 
 template <class Dst, class Src>

@@ -15,6 +15,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/mapped_buffer.hpp>
+#include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/pipeline.hpp>

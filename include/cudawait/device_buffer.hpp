@@ -12,6 +12,7 @@
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
+#include <cudawait/memory_kind.hpp>
 #include <cudawait/stream.hpp>
 
 #include <cstddef>
@@ -32,6 +33,8 @@ class device_buffer {
 
 public:
     using value_type = T;
+    /// Where the elements live (copy asks the type instead of the driver).
+    static constexpr memory_kind memory = memory_kind::device;
 
     device_buffer() noexcept = default;
 

@@ -10,6 +10,7 @@
 // access crosses the bus, so bulk data belongs in device memory and pinned_pool buffers.
 
 #include <cudawait/error.hpp>
+#include <cudawait/memory_kind.hpp>
 
 #include <cstddef>
 #include <cstring>
@@ -29,6 +30,8 @@ class mapped_buffer {
 
 public:
     using value_type = T;
+    /// Where the elements live (copy asks the type instead of the driver).
+    static constexpr memory_kind memory = memory_kind::pinned;
 
     mapped_buffer() noexcept = default;
 

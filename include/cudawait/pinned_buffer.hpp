@@ -13,6 +13,7 @@
 // is destroyed or reset.
 
 #include <cudawait/error.hpp>
+#include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/stream.hpp>
 
@@ -33,6 +34,8 @@ class pinned_buffer {
 
 public:
     using value_type = T;
+    /// Where the elements live (copy asks the type instead of the driver).
+    static constexpr memory_kind memory = memory_kind::pinned;
 
     /// An empty buffer; only assignment and destruction are allowed on it.
     pinned_buffer() noexcept = default;

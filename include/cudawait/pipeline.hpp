@@ -56,17 +56,19 @@
 // flight, so that no copy lands in the caller's memory after it returned (one that outlives
 // chunk_timeout meanwhile may still land, as above).
 
-#include <cudawait/copy.hpp>
 #include <cudawait/device.hpp>
 #include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
+#include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
 #include <cudawait/trace.hpp>
+
+#include <cudawait/detail/parallel_memcpy.hpp>
 
 #include <algorithm>
 #include <chrono>
