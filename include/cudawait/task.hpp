@@ -94,9 +94,12 @@ public:
         } else if constexpr (std::is_convertible_v<A, event_ref>) {
             return await_on(self, event_ref(a), where);
         } else {
-            // Awaiters are handed back by value. g++ 12 copies an awaiter returned by lvalue
-            // reference from await_transform (which breaks non-copyable awaiters), so an lvalue
-            // awaiter travels behind a small forwarding wrapper instead.
+            // Awaiters are handed back by value. g++ 12 (seen with 12.2; clang 14 is fine) copies
+            // an awaiter that a call returns by lvalue reference, as await_transform would here,
+            // instead of using the object referred to: a non-copyable awaiter fails with "use of
+            // deleted function" at the co_await. GCC bug 99575 tracks this (`co_await f()` where f
+            // returns A&, e.g. std::forward<A&>). So an lvalue awaiter travels behind a small
+            // forwarding wrapper instead.
             using awaiter_type = decltype(get_awaiter(std::forward<A>(a)));
             if constexpr (std::is_lvalue_reference_v<awaiter_type>) {
                 return awaiter_ref<std::remove_reference_t<awaiter_type>>{
@@ -310,10 +313,12 @@ inline auto task_promise<void>::get_return_object() noexcept {
 /// `co_await this_scheduler()` yields the scheduler the awaiting coroutine runs on.
 struct this_scheduler_t {};
 
-/// Yields a std::reference_wrapper, not a `scheduler&`: nvcc 13.0's front end (EDG) treats every
-/// `co_await` expression as a prvalue, whatever await_resume returns, so a reference result
-/// cannot bind to `scheduler&` in a .cu file ("initial value of reference to non-const must be
-/// an lvalue"). The wrapper prvalue converts to `scheduler&` under every compiler.
+/// Yields a std::reference_wrapper, not a `scheduler&`: nvcc 13.0 (V13.0.88; its EDG front end)
+/// treats every `co_await` expression as a prvalue, whatever await_resume returns, so in a .cu
+/// file `S& s = co_await a;` with `S& await_resume()` fails with "initial value of reference to
+/// non-const must be an lvalue" (g++ and clang accept it, as [expr.await] makes it an lvalue). No
+/// public NVIDIA bug report for it is known. The wrapper prvalue converts to `scheduler&` under
+/// every compiler.
 struct this_scheduler_awaiter {
     scheduler* m_scheduler;
     bool await_ready() const noexcept { return true; }
