@@ -107,11 +107,10 @@ public:
         }
     }
 
-    void start(when_all_latch& latch, promise_base& parent) noexcept {
+    template <class P>
+    void start(when_all_latch& latch, std::coroutine_handle<P> parent) noexcept {
         m_handle.promise().m_latch = &latch;
-        if (m_handle.promise().current_scheduler() == nullptr) {
-            m_handle.promise().set_scheduler(parent.current_scheduler());
-        }
+        inherit_scheduler(parent, m_handle.promise());
         m_handle.resume();
     }
     stored_t<R> take() { return std::move(*m_handle.promise().m_value); }
@@ -139,8 +138,7 @@ public:
     bool await_ready() const noexcept { return false; }
     template <class P>
     bool await_suspend(std::coroutine_handle<P> parent) noexcept {
-        promise_base& pp = parent.promise();
-        for_each_child([&](auto& c) { c.start(m_latch, pp); });
+        for_each_child([&](auto& c) { c.start(m_latch, parent); });
         return m_latch.try_suspend(parent);
     }
     void await_resume() const { m_latch.rethrow_if_failed(); }
