@@ -66,6 +66,7 @@
 #include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/parallel_memcpy.hpp>

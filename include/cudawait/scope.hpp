@@ -13,6 +13,8 @@
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
 
+#include <cudawait/detail/detached.hpp>
+
 #include <coroutine>
 #include <cstddef>
 #include <cstdio>

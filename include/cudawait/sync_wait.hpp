@@ -11,6 +11,8 @@
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
 
+#include <cudawait/detail/detached.hpp>
+
 #include <atomic>
 #include <coroutine>
 #include <utility>
