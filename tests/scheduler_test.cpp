@@ -16,10 +16,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <coroutine>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <functional>
 #include <memory>
 #include <random>
 #include <source_location>
@@ -153,6 +155,68 @@ TEST(scheduler, spawn_is_thread_safe_and_run_rethrows_detached_errors) {
     EXPECT_THROW(s.run(), std::runtime_error);
     EXPECT_EQ(finished.load(), 400);
     EXPECT_NO_THROW(s.run());  // the error was reported once
+}
+
+// What only the library's awaiters and drivers use is not callable on a scheduler; they reach it
+// through detail::scheduler_access. The public members are what a user calls.
+template <class S>
+concept user_surface = requires(S& s, const S& cs, stream& st, cudawait::event& ev) {
+    s.schedule();
+    s.post(std::coroutine_handle<>{});
+    s.post(std::function<void()>{});
+    s.wake();
+    s.spawn(std::declval<task<>>());
+    s.run();
+    s.run(std::stop_token{});
+    s.run_until([] { return true; });
+    s.poll();
+    cs.pending();
+    cs.policy();
+    s.set_policy(poll_policy{});
+    s.wait(st);
+    s.wait(ev);
+    s.sleep_for(1ms);
+};
+template <class S>
+concept waits_are_public = requires(S& s, cudaError_t& status, const char*& api) {
+    s.add_wait(cudaStream_t{}, std::coroutine_handle<>{}, status, api);
+} || requires(S& s, cudaError_t& status, const char*& api) {
+    s.add_wait(cudaEvent_t{}, std::coroutine_handle<>{}, status, api);
+};
+template <class S>
+concept timers_are_public =
+    requires(S& s) { s.add_timer(clock_type::now(), std::coroutine_handle<>{}); } ||
+    requires(S& s) { s.add_timer(clock_type::now(), std::function<void()>{}); } ||
+    requires(S& s) { s.cancel_timer(nullptr); };
+template <class S>
+concept loop_internals_are_public =
+    requires(S& s) { s.run_from(std::coroutine_handle<>{}, [] { return true; }); } ||
+    requires(S& s) { s.resume_soon(std::coroutine_handle<>{}); } ||
+    requires(S& s) { s.child_started(); } || requires(S& s) { s.child_finished(); } ||
+    requires(const S& s) { s.on_loop_thread(); };
+static_assert(user_surface<scheduler>);
+static_assert(!waits_are_public<scheduler>);
+static_assert(!timers_are_public<scheduler>);
+static_assert(!loop_internals_are_public<scheduler>);
+
+TEST(scheduler, internals_are_reached_through_scheduler_access) {
+    using access = cudawait::detail::scheduler_access;
+    scheduler s;
+    EXPECT_FALSE(access::on_loop_thread(s));
+    bool on_loop = false;
+    std::vector<int> fired;
+    s.post([&] {
+        on_loop = access::on_loop_thread(s);
+        // Two callback timers, the later one cancelled before it is due: only the first fires.
+        (void)access::add_timer(s, clock_type::now() + 1ms, [&fired] { fired.push_back(1); });
+        cudawait::detail::timer_node* later =
+            access::add_timer(s, clock_type::now() + 2ms, [&fired] { fired.push_back(2); });
+        access::cancel_timer(s, later);
+    });
+    s.run();
+    EXPECT_TRUE(on_loop);
+    EXPECT_EQ(fired, (std::vector<int>{1}));
+    EXPECT_EQ(s.pending().timers, 0u);
 }
 
 TEST(scheduler, idle_scheduler_blocks_instead_of_polling) {
@@ -452,6 +516,40 @@ TEST_F(scheduler_gpu, a_kernel_fault_is_thrown_at_the_awaiting_co_await) {
     // The fault kills the CUDA context, so it happens in a fresh child process.
     GTEST_FLAG_SET(death_test_style, "threadsafe");
     EXPECT_EXIT(fault_child(), ::testing::ExitedWithCode(0), "fault observed at the co_await");
+}
+
+// A wait added from a thread other than the loop's (a coroutine that runs on another scheduler
+// and awaits this one's wait()) is handed to the loop thread, which records the stream's work
+// there; the coroutine resumes on the loop thread once that work is done. Streams and events
+// alike: each kernel spins for 5 ms before it writes its word, so a wait recorded too early, or a
+// resume before the work finished, reads the poison.
+TEST_F(scheduler_gpu, waits_added_from_another_thread_resume_on_the_loop_thread) {
+    scheduler home;
+    scheduler away;
+    std::jthread driver([&away](std::stop_token stop) { away.run(stop); });
+    stream st;
+    cudawait::event ev;
+    mapped_words out(2);
+    auto body = [&]() -> task<int> {
+        const auto home_thread = std::this_thread::get_id();
+        int passed = 0;
+        co_await away.schedule();
+        passed += std::this_thread::get_id() != home_thread ? 1 : 0;
+        check(cudawait::testing::launch_spin(5'000'000, out.device, 0x57EA3u, st.get()),
+              "launch_spin");
+        co_await home.wait(st); // added from away's thread
+        passed += std::this_thread::get_id() == home_thread && out.read(0) == 0x57EA3u ? 1 : 0;
+        co_await away.schedule();
+        check(cudawait::testing::launch_spin(5'000'000, out.device + 1, 0xE7E27u, st.get()),
+              "launch_spin");
+        ev.record(st);
+        co_await home.wait(ev); // added from away's thread
+        passed += std::this_thread::get_id() == home_thread && out.read(1) == 0xE7E27u ? 1 : 0;
+        co_return passed;
+    };
+    EXPECT_EQ(sync_wait(home, body()), 3);
+    const auto p = home.pending();
+    EXPECT_EQ(p.stream_waits + p.event_waits + p.streams, 0u);
 }
 
 TEST_F(scheduler_gpu, sleeping_policy_still_resumes) {

@@ -112,7 +112,7 @@ TEST(timeout, with_timeout_of_work_that_finishes_on_another_thread) {
     auto body = [&]() -> task<bool> {
         const int v = co_await with_timeout(wander(), 5s);
         // The result is handed back to this scheduler's thread, where the timer lives.
-        co_return v == 3 && home.on_loop_thread();
+        co_return v == 3 && cudawait::detail::scheduler_access::on_loop_thread(home);
     };
     EXPECT_TRUE(sync_wait(home, body()));
     stop.request_stop();

@@ -20,6 +20,10 @@
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
+//
+// The public members are what a user calls. What only the library's awaiters and drivers need
+// (queueing a wait or a timer, counting internal children, run_from) is private and reached
+// through detail::scheduler_access.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -123,10 +127,11 @@ inline void cpu_relax() noexcept {
 #endif
 }
 
-class stream_awaiter;
-class event_awaiter;
+template <class Handle>
+class wait_awaiter;
 class sleep_awaiter;
 struct schedule_awaitable;
+struct scheduler_access;
 
 } // namespace detail
 
@@ -134,6 +139,7 @@ struct schedule_awaitable;
 /// expire, or when other threads post them.
 class scheduler {
     using clock = std::chrono::steady_clock;
+    friend struct detail::scheduler_access;
 
 public:
     explicit scheduler(poll_policy policy = {}) : m_policy(policy) {}
@@ -222,29 +228,6 @@ public:
         run_from({}, std::forward<Pred>(done));
     }
 
-    /// run_until, resuming `first` (if any) as the loop's first piece of work. `first` is left
-    /// untouched when the call throws usage_error.
-    template <class Pred>
-    void run_from(std::coroutine_handle<> first, Pred&& done) {
-        loop_owner owner(*this);
-        if (first) {
-            m_ready.push_back(first);
-        }
-        auto last_progress = clock::now();
-        auto backoff = m_policy.sleep_min;
-        while (!done()) {
-            if (step()) {
-                last_progress = clock::now();
-                backoff = m_policy.sleep_min;
-                continue;
-            }
-            if (done()) {
-                break;
-            }
-            wait_idle(last_progress, backoff);
-        }
-    }
-
     /// One non-blocking turn of the loop. Returns whether anything happened.
     /// @throws usage_error when another thread is driving this scheduler
     bool poll() {
@@ -271,27 +254,48 @@ public:
     void set_policy(const poll_policy& p) noexcept { m_policy = p; }
 
     /// For coroutines other than the library's: `co_await sched.wait(stream)`.
-    [[nodiscard]] inline detail::stream_awaiter
+    [[nodiscard]] inline detail::wait_awaiter<cudaStream_t>
     wait(stream_ref s, std::source_location where = std::source_location::current());
     /// For coroutines other than the library's: `co_await sched.wait(event)`.
-    [[nodiscard]] inline detail::event_awaiter
+    [[nodiscard]] inline detail::wait_awaiter<cudaEvent_t>
     wait(event_ref e, std::source_location where = std::source_location::current());
     /// For coroutines other than the library's: `co_await sched.sleep_for(d)`.
     [[nodiscard]] inline detail::sleep_awaiter sleep_for(std::chrono::nanoseconds d);
 
-    // ---- used by the awaiters --------------------------------------------------------------
+private:
+    // ---- used by the awaiters and the library's drivers (detail::scheduler_access) --------
 
-    /// Records a recycled event on `s` and queues `h` behind it. Returns false (with `status`
-    /// and `api` set) when that failed and `h` must not suspend.
-    bool add_stream_wait(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
-                         const char*& api) noexcept {
+    /// run_until, resuming `first` (if any) as the loop's first piece of work. `first` is left
+    /// untouched when the call throws usage_error.
+    template <class Pred>
+    void run_from(std::coroutine_handle<> first, Pred&& done) {
+        loop_owner owner(*this);
+        if (first) {
+            m_ready.push_back(first);
+        }
+        auto last_progress = clock::now();
+        auto backoff = m_policy.sleep_min;
+        while (!done()) {
+            if (step()) {
+                last_progress = clock::now();
+                backoff = m_policy.sleep_min;
+                continue;
+            }
+            if (done()) {
+                break;
+            }
+            wait_idle(last_progress, backoff);
+        }
+    }
+
+    /// Queues `h` until the work enqueued on `s` so far finished: records a recycled event on `s`
+    /// and appends it to the stream's FIFO. Returns false (with `status` and `api` set) when
+    /// that failed and `h` must not suspend. Any thread.
+    bool add_wait(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
+                  const char*& api) noexcept {
         if (!on_loop_thread()) {
-            // Record on the loop thread: that captures at least the work enqueued so far.
-            return post_or_fail([this, s, h, &status, &api] {
-                if (!add_stream_wait(s, h, status, api)) {
-                    m_ready.push_back(h);
-                }
-            }, status, api);
+            // Recorded on the loop thread: that captures at least the work enqueued so far.
+            return post_add_wait(s, h, status, api);
         }
         try {
             return add_stream_wait_local(s, h, status, api);
@@ -300,15 +304,11 @@ public:
         }
     }
 
-    /// Queues `h` until the user's event `e` completes. Same contract as add_stream_wait.
-    bool add_event_wait(cudaEvent_t e, std::coroutine_handle<> h, cudaError_t& status,
-                        const char*& api) noexcept {
+    /// Queues `h` until the user's event `e` completes. Same contract as for a stream.
+    bool add_wait(cudaEvent_t e, std::coroutine_handle<> h, cudaError_t& status,
+                  const char*& api) noexcept {
         if (!on_loop_thread()) {
-            return post_or_fail([this, e, h, &status, &api] {
-                if (!add_event_wait(e, h, status, api)) {
-                    m_ready.push_back(h);
-                }
-            }, status, api);
+            return post_add_wait(e, h, status, api);
         }
         try {
             detail::wait_node* n = new_node();
@@ -324,7 +324,7 @@ public:
         return true;
     }
 
-    /// Resumes `h` at `deadline`.
+    /// Resumes `h` at `deadline`. Any thread.
     void add_timer(clock::time_point deadline, std::coroutine_handle<> h) {
         if (!on_loop_thread()) {
             post([this, deadline, h] { add_timer(deadline, h); });
@@ -359,7 +359,8 @@ public:
         return m_owner.load(std::memory_order_relaxed) == std::this_thread::get_id();
     }
 
-private:
+    // ---- helpers ---------------------------------------------------------------------------
+
     struct detached_sink {
         scheduler* self;
         template <class R>
@@ -447,10 +448,17 @@ private:
         api = what;
         return false;
     }
-    template <class F>
-    bool post_or_fail(F&& f, cudaError_t& status, const char*& api) noexcept {
+    /// add_wait off the loop thread: the loop thread adds the wait instead, and resumes `h` at
+    /// once (with `status` set) if that fails there.
+    template <class Handle>
+    bool post_add_wait(Handle handle, std::coroutine_handle<> h, cudaError_t& status,
+                       const char*& api) noexcept {
         try {
-            post(std::function<void()>(std::forward<F>(f)));
+            post(std::function<void()>([this, handle, h, &status, &api] {
+                if (!add_wait(handle, h, status, api)) {
+                    m_ready.push_back(h);
+                }
+            }));
             return true;
         } catch (...) {
             return fail(status, api, cudaErrorMemoryAllocation, "scheduler::post");
@@ -768,38 +776,49 @@ private:
 
 namespace detail {
 
-/// `co_await stream`: resumes once the work enqueued on the stream before the await finished.
-class stream_awaiter {
-public:
-    stream_awaiter(scheduler& s, cudaStream_t stream, std::source_location where) noexcept
-        : m_scheduler(&s), m_stream(stream), m_where(where) {}
-    bool await_ready() const noexcept { return false; }
-    bool await_suspend(std::coroutine_handle<> h) noexcept {
-        return m_scheduler->add_stream_wait(m_stream, h, m_status, m_api);
-    }
-    /// @throws cuda_error carrying the status the poll observed and this await's call site
-    void await_resume() const {
-        if (m_status != cudaSuccess) {
-            throw cuda_error(m_status, m_api, m_where);
-        }
-    }
+/// The scheduler's internals that the library's awaiters and drivers use: sync_wait, the
+/// awaiters below, with_timeout and tests that check the loop itself. Not part of the API.
+struct scheduler_access {
+    using clock = std::chrono::steady_clock;
 
-private:
-    scheduler* m_scheduler;
-    cudaStream_t m_stream;
-    std::source_location m_where;
-    cudaError_t m_status = cudaSuccess;
-    const char* m_api = nullptr;
+    static bool add_wait(scheduler& s, cudaStream_t stream, std::coroutine_handle<> h,
+                         cudaError_t& status, const char*& api) noexcept {
+        return s.add_wait(stream, h, status, api);
+    }
+    static bool add_wait(scheduler& s, cudaEvent_t event, std::coroutine_handle<> h,
+                         cudaError_t& status, const char*& api) noexcept {
+        return s.add_wait(event, h, status, api);
+    }
+    static void add_timer(scheduler& s, clock::time_point deadline, std::coroutine_handle<> h) {
+        s.add_timer(deadline, h);
+    }
+    static timer_node* add_timer(scheduler& s, clock::time_point deadline,
+                                 std::function<void()> fn) {
+        return s.add_timer(deadline, std::move(fn));
+    }
+    static void cancel_timer(scheduler& s, timer_node* t) noexcept { s.cancel_timer(t); }
+    static void child_started(scheduler& s) noexcept { s.child_started(); }
+    static void child_finished(scheduler& s) noexcept { s.child_finished(); }
+    static void resume_soon(scheduler& s, std::coroutine_handle<> h) { s.resume_soon(h); }
+    [[nodiscard]] static bool on_loop_thread(const scheduler& s) noexcept {
+        return s.on_loop_thread();
+    }
+    template <class Pred>
+    static void run_from(scheduler& s, std::coroutine_handle<> first, Pred&& done) {
+        s.run_from(first, std::forward<Pred>(done));
+    }
 };
 
-/// `co_await event`: resumes once the event's captured work finished.
-class event_awaiter {
+/// `co_await stream` or `co_await event` (Handle: cudaStream_t or cudaEvent_t): resumes once the
+/// work the stream held at the await, or the work the event captured, finished.
+template <class Handle>
+class wait_awaiter {
 public:
-    event_awaiter(scheduler& s, cudaEvent_t ev, std::source_location where) noexcept
-        : m_scheduler(&s), m_event(ev), m_where(where) {}
+    wait_awaiter(scheduler& s, Handle handle, std::source_location where) noexcept
+        : m_scheduler(&s), m_handle(handle), m_where(where) {}
     bool await_ready() const noexcept { return false; }
     bool await_suspend(std::coroutine_handle<> h) noexcept {
-        return m_scheduler->add_event_wait(m_event, h, m_status, m_api);
+        return scheduler_access::add_wait(*m_scheduler, m_handle, h, m_status, m_api);
     }
     /// @throws cuda_error carrying the status the poll observed and this await's call site
     void await_resume() const {
@@ -810,7 +829,7 @@ public:
 
 private:
     scheduler* m_scheduler;
-    cudaEvent_t m_event;
+    Handle m_handle;
     std::source_location m_where;
     cudaError_t m_status = cudaSuccess;
     const char* m_api = nullptr;
@@ -821,7 +840,7 @@ public:
     sleep_awaiter(scheduler& s, std::chrono::nanoseconds d) noexcept : m_scheduler(&s), m_for(d) {}
     bool await_ready() const noexcept { return m_for <= std::chrono::nanoseconds::zero(); }
     void await_suspend(std::coroutine_handle<> h) {
-        m_scheduler->add_timer(std::chrono::steady_clock::now() + m_for, h);
+        scheduler_access::add_timer(*m_scheduler, std::chrono::steady_clock::now() + m_for, h);
     }
     void await_resume() const noexcept {}
 
@@ -850,11 +869,13 @@ struct sleep_request {
     std::chrono::nanoseconds duration;
 };
 
-inline stream_awaiter await_on(promise_base& p, stream_ref s, std::source_location where) {
-    return stream_awaiter(p.require_scheduler(), s.get(), where);
+inline wait_awaiter<cudaStream_t> await_on(promise_base& p, stream_ref s,
+                                           std::source_location where) {
+    return {p.require_scheduler(), s.get(), where};
 }
-inline event_awaiter await_on(promise_base& p, event_ref e, std::source_location where) {
-    return event_awaiter(p.require_scheduler(), e.get(), where);
+inline wait_awaiter<cudaEvent_t> await_on(promise_base& p, event_ref e,
+                                          std::source_location where) {
+    return {p.require_scheduler(), e.get(), where};
 }
 inline sleep_awaiter await_on(promise_base& p, sleep_request r, std::source_location) {
     return sleep_awaiter(p.require_scheduler(), r.duration);
@@ -867,11 +888,12 @@ inline schedule_awaiter await_on(promise_base& p, schedule_awaitable a, std::sou
 } // namespace detail
 
 inline detail::schedule_awaitable scheduler::schedule() noexcept { return {this}; }
-inline detail::stream_awaiter scheduler::wait(stream_ref s, std::source_location where) {
-    return detail::stream_awaiter(*this, s.get(), where);
+inline detail::wait_awaiter<cudaStream_t> scheduler::wait(stream_ref s,
+                                                          std::source_location where) {
+    return {*this, s.get(), where};
 }
-inline detail::event_awaiter scheduler::wait(event_ref e, std::source_location where) {
-    return detail::event_awaiter(*this, e.get(), where);
+inline detail::wait_awaiter<cudaEvent_t> scheduler::wait(event_ref e, std::source_location where) {
+    return {*this, e.get(), where};
 }
 inline detail::sleep_awaiter scheduler::sleep_for(std::chrono::nanoseconds d) {
     return detail::sleep_awaiter(*this, d);

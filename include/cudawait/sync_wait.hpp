@@ -33,7 +33,7 @@ struct sync_wait_sink {
     sync_wait_state<R>* state;
     void complete(result_slot<R>&& r) {
         scheduler* s = state->sched;
-        const bool foreign = !s->on_loop_thread();
+        const bool foreign = !scheduler_access::on_loop_thread(*s);
         state->result = std::move(r);
         state->done.store(true, std::memory_order_release);
         if (foreign) {
@@ -59,7 +59,8 @@ detail::awaited_t<A> sync_wait(scheduler& s, A&& work) {
     auto root = detail::run_detached<R>(std::forward<A>(work), detail::sync_wait_sink<R>{&state});
     root.handle().promise().set_scheduler(&s);
     try {
-        s.run_from(root.handle(), [&state] { return state.done.load(std::memory_order_acquire); });
+        detail::scheduler_access::run_from(
+            s, root.handle(), [&state] { return state.done.load(std::memory_order_acquire); });
     } catch (const usage_error&) {
         if (!state.done.load()) {
             root.handle().destroy();

@@ -48,10 +48,10 @@ struct timeout_state {
     void complete(result_slot<R>&& r) {
         result = std::move(r);
         done = true;
-        sched->child_finished();
+        scheduler_access::child_finished(*sched);
         if (waiter) {
-            sched->cancel_timer(timer);
-            sched->resume_soon(std::exchange(waiter, {}));
+            scheduler_access::cancel_timer(*sched, timer);
+            scheduler_access::resume_soon(*sched, std::exchange(waiter, {}));
         }
     }
 };
@@ -61,7 +61,7 @@ template <class R>
 struct timeout_sink {
     std::shared_ptr<timeout_state<R>> state;
     void complete(result_slot<R>&& r) {
-        if (state->sched->on_loop_thread()) {
+        if (scheduler_access::on_loop_thread(*state->sched)) {
             state->complete(std::move(r));
             return;
         }
@@ -83,11 +83,11 @@ public:
     void await_suspend(std::coroutine_handle<> h) {
         m_state->waiter = h;
         std::weak_ptr<timeout_state<R>> weak = m_state;
-        m_state->timer =
-            m_state->sched->add_timer(std::chrono::steady_clock::now() + m_after, [weak] {
+        m_state->timer = scheduler_access::add_timer(
+            *m_state->sched, std::chrono::steady_clock::now() + m_after, [weak] {
                 if (auto st = weak.lock(); st && st->waiter) {
                     st->timer = nullptr;
-                    st->sched->resume_soon(std::exchange(st->waiter, {}));
+                    scheduler_access::resume_soon(*st->sched, std::exchange(st->waiter, {}));
                 }
             });
     }
@@ -247,8 +247,9 @@ private:
     bool m_relay_recorded = false;
 };
 
-inline event_awaiter await_on(promise_base& p, const captured_wait& w, std::source_location) {
-    return event_awaiter(p.require_scheduler(), w.event(), w.where());
+inline wait_awaiter<cudaEvent_t> await_on(promise_base& p, const captured_wait& w,
+                                          std::source_location) {
+    return {p.require_scheduler(), w.event(), w.where()};
 }
 
 /// The coroutine behind every with_timeout: `work` runs in a detached coroutine that owns it,
@@ -256,14 +257,14 @@ inline event_awaiter await_on(promise_base& p, const captured_wait& w, std::sour
 template <class R, class A>
 task<R> await_with_timeout(A work, std::chrono::nanoseconds d) {
     scheduler& s = co_await this_scheduler();
-    if (!s.on_loop_thread()) {
+    if (!scheduler_access::on_loop_thread(s)) {
         co_await s.schedule();
     }
     auto state = std::make_shared<timeout_state<R>>();
     state->sched = &s;
     auto child = run_detached<R>(std::move(work), timeout_sink<R>{state});
     child.handle().promise().set_scheduler(&s);
-    s.child_started();
+    scheduler_access::child_started(s);
     child.handle().resume();
     if constexpr (std::is_void_v<R>) {
         co_await timeout_awaiter<R>(state, d);
