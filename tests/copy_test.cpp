@@ -83,21 +83,7 @@ TEST(copy, without_a_device_is_a_cuda_error) {
 
 // ---- with a GPU -------------------------------------------------------------------------------
 
-class copy_gpu : public cudawait::testing::gpu_test {
-protected:
-    void TearDown() override {
-        if (!IsSkipped()) {
-            // Chunks and buffers freed while the GPU still used them are pending in the
-            // default pool, each holding an event; once the device is idle they all come back.
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            cudawait::default_pinned_pool().collect();
-            auto st = cudawait::default_pinned_pool().stats();
-            EXPECT_EQ(st.in_use_bytes, 0u) << "staging chunks not given back";
-            EXPECT_EQ(st.pending_bytes, 0u);
-        }
-        cudawait::testing::gpu_test::TearDown();
-    }
-};
+class copy_gpu : public cudawait::testing::pool_gpu_test {};
 
 TEST_F(copy_gpu, classify_tells_the_four_kinds_apart) {
     cudawait::stream s;

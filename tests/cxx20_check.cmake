@@ -7,7 +7,7 @@
 # <coroutine>'s "requires -fcoroutines" or whatever C++20 feature comes first); the umbrella
 # must fail. SETTINGS sets CHECK_CXX, CHECK_NVCC, CHECK_CUDA_HOST_COMPILER, CHECK_INCLUDE_DIRS
 # and CHECK_HEADERS (the public headers' names, without .hpp).
-cmake_minimum_required(VERSION 3.24)
+cmake_minimum_required(VERSION 3.25)
 
 include("${SETTINGS}")
 file(REMOVE_RECURSE "${WORK_DIR}")

@@ -2,15 +2,19 @@
 #pragma once
 
 // Shared by the GPU tests: a fixture that skips (with the reason) where no device is present,
-// and checks that nothing the library created leaked by the end of each test.
+// and checks that nothing the library created leaked by the end of each test; and one for tests
+// of code that stages through the default pinned pool, which also checks that every block the
+// test took came back.
 
 #include <cudawait/device.hpp>
 #include <cudawait/event.hpp>
+#include <cudawait/pinned_pool.hpp>
 #include <cudawait/stream.hpp>
 
 #include <string>
 
 #include <cuda_runtime.h>
+
 #include <gtest/gtest.h>
 
 namespace cudawait::testing {
@@ -52,6 +56,25 @@ private:
     long m_streams_before = 0;
     long m_events_before = 0;
     long m_outstanding_before = 0;
+};
+
+/// gpu_test for code that takes staging memory from default_pinned_pool() (copy, pipeline): once
+/// the device is idle, nothing the test freed may still be pending and nothing may be in use.
+class pool_gpu_test : public gpu_test {
+protected:
+    void TearDown() override {
+        if (!IsSkipped()) {
+            // Chunks and buffers freed while the GPU still used them are pending in the default
+            // pool, each holding a pooled event; once the device is idle they all come back, and
+            // so do their events, before gpu_test counts the events.
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            cudawait::default_pinned_pool().collect();
+            auto st = cudawait::default_pinned_pool().stats();
+            EXPECT_EQ(st.in_use_bytes, 0u) << "staging memory not given back";
+            EXPECT_EQ(st.pending_bytes, 0u) << "blocks pending after the device went idle";
+        }
+        gpu_test::TearDown();
+    }
 };
 
 } // namespace cudawait::testing

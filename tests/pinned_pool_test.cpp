@@ -29,7 +29,6 @@
 #include <stop_token>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -74,150 +73,6 @@ bool all_equal(const void* p, std::size_t n, std::uint8_t v) {
     return n == 0 || (b[0] == v && std::memcmp(b, b + 1, n - 1) == 0);
 }
 
-// ---- the block heap on its own ---------------------------------------------------------------
-
-struct no_extra {};
-using test_heap = cudawait::detail::block_heap<no_extra>;
-
-TEST(block_heap, random_workload_keeps_blocks_disjoint_aligned_and_coalesces_fully) {
-    test_heap heap;
-    // Two regions at fake, 2 MiB-aligned addresses: the heap never touches the memory.
-    auto* base1 = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
-    auto* base2 =
-        reinterpret_cast<std::byte*>((std::uintptr_t{1} << 40) + (std::uintptr_t{1} << 34));
-    auto* r1 = heap.add_region(base1, 256_MiB);
-    auto* r2 = heap.add_region(base2, 64_MiB);
-    std::mt19937_64 rng(7);
-    std::map<std::byte*, std::pair<std::size_t, test_heap::block*>> live;
-    std::size_t live_bytes = 0;
-    for (int step = 0; step < 20000; ++step) {
-        if (live.empty() || rng() % 100 < 55) {
-            std::size_t size = 1 + rng() % (rng() % 4 == 0 ? 8_MiB : 64_KiB);
-            std::size_t align = std::size_t{256} << (rng() % 4 == 0 ? rng() % 14 : 0);
-            test_heap::block* b = heap.allocate(size, align);
-            if (b == nullptr) {
-                continue;
-            }
-            ASSERT_GE(b->size, size);
-            ASSERT_LT(b->size, size + 256 + 1) << "split to the rounded size, no class rounding";
-            ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b->ptr) % align, 0u);
-            auto next = live.lower_bound(b->ptr);
-            if (next != live.end()) {
-                ASSERT_LE(b->ptr + b->size, next->first) << "overlaps the next live block";
-            }
-            if (next != live.begin()) {
-                auto prev = std::prev(next);
-                ASSERT_LE(prev->first + prev->second.first, b->ptr) << "overlaps the previous";
-            }
-            live.emplace(b->ptr, std::pair{b->size, b});
-            live_bytes += b->size;
-        } else {
-            auto it = live.begin();
-            std::advance(it, static_cast<long>(rng() % live.size()));
-            live_bytes -= it->second.first;
-            heap.free(it->second.second);
-            live.erase(it);
-        }
-        ASSERT_EQ(heap.free_bytes() + live_bytes, 320_MiB);
-    }
-    for (auto& [p, v] : live) {
-        EXPECT_EQ(heap.containing(p + v.first - 1), v.second);
-        heap.free(v.second);
-    }
-    EXPECT_TRUE(test_heap::region_unused(r1));
-    EXPECT_TRUE(test_heap::region_unused(r2));
-    EXPECT_EQ(heap.largest_free(), 256_MiB);
-    heap.remove_region(r2);
-    EXPECT_EQ(heap.free_bytes(), 256_MiB);
-    EXPECT_EQ(heap.region_of(base2), nullptr);
-}
-
-TEST(block_heap, finds_a_fit_in_every_size_class) {
-    test_heap heap;
-    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
-    heap.add_region(base, 1_GiB);
-    // Exact-size requests across the whole range, each followed by a free, always fit.
-    for (std::size_t size = 256; size <= 1_GiB; size = size * 3 / 2 + 256) {
-        test_heap::block* b = heap.allocate(size, 256);
-        ASSERT_NE(b, nullptr) << size;
-        heap.free(b);
-    }
-    test_heap::block* all = heap.allocate(1_GiB, 2_MiB);
-    ASSERT_NE(all, nullptr);
-    EXPECT_EQ(heap.allocate(256, 256), nullptr);
-    heap.free(all);
-}
-
-// The heap gives up on a request only when no free block can hold it at its alignment: checked
-// against every free block after each failure, on a fragmenting workload of 2 MiB-aligned and
-// small blocks such as the pool's churn makes.
-TEST(block_heap, fails_an_aligned_request_only_when_no_free_block_holds_it) {
-    test_heap heap;
-    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
-    heap.add_region(base, 64_MiB);
-    heap.add_region(base + 1_GiB, 64_MiB);
-    std::mt19937_64 rng(31);
-    std::vector<test_heap::block*> live;
-    int failures = 0;
-    for (int step = 0; step < 20000; ++step) {
-        if (live.empty() || rng() % 100 < 52) {
-            std::size_t size = 1_KiB + rng() % 4_MiB;
-            std::size_t rounded = (size + 255) / 256 * 256;
-            std::size_t align = rounded >= 2_MiB ? 2_MiB : std::size_t{256} << (rng() % 4);
-            if (test_heap::block* b = heap.allocate(size, align)) {
-                live.push_back(b);
-                continue;
-            }
-            ++failures;
-            for (const auto& r : heap.regions()) {
-                for (test_heap::block* f = r->first; f != nullptr; f = f->next_phys) {
-                    if (!f->is_free) {
-                        continue;
-                    }
-                    auto addr = reinterpret_cast<std::uintptr_t>(f->ptr);
-                    std::size_t pad = (align - addr % align) % align;
-                    ASSERT_GT(pad + rounded, f->size)
-                        << "a free block of " << f->size << " at offset " << pad
-                        << " holds the failed request of " << rounded << " aligned to " << align;
-                }
-            }
-        } else {
-            std::size_t i = rng() % live.size();
-            heap.free(live[i]);
-            live[i] = live.back();
-            live.pop_back();
-        }
-    }
-    EXPECT_GT(failures, 100) << "the workload never filled the heap";
-    for (test_heap::block* b : live) {
-        heap.free(b);
-    }
-    EXPECT_EQ(heap.free_bytes(), 128_MiB);
-}
-
-TEST(ptr_map, matches_a_standard_map_under_random_inserts_and_erases) {
-    cudawait::detail::ptr_map<int> m;
-    std::unordered_map<const void*, int> ref;
-    std::mt19937_64 rng(3);
-    for (int i = 0; i < 200000; ++i) {
-        auto* key = reinterpret_cast<const void*>((1 + rng() % 5000) * 256);
-        if (rng() % 3 == 0) {
-            EXPECT_EQ(m.erase(key), ref.erase(key) == 1);
-        } else {
-            int v = static_cast<int>(rng());
-            m.insert(key, v);
-            ref[key] = v;
-        }
-    }
-    ASSERT_EQ(m.size(), ref.size());
-    for (auto [k, v] : ref) {
-        int* found = m.find(k);
-        ASSERT_NE(found, nullptr);
-        EXPECT_EQ(*found, v);
-    }
-    EXPECT_EQ(m.find(reinterpret_cast<const void*>(std::uintptr_t{77})), nullptr);
-}
-
 // ---- pool bookkeeping, without a GPU ---------------------------------------------------------
 
 TEST(pinned_pool, blocks_are_disjoint_and_large_ones_2mib_aligned) {
@@ -241,31 +96,6 @@ TEST(pinned_pool, blocks_are_disjoint_and_large_ones_2mib_aligned) {
         pool.deallocate(blocks[i].first);
     }
     EXPECT_EQ(pool.stats().in_use_bytes, 0u);
-}
-
-TEST(block_heap, a_block_of_just_the_right_size_is_found) {
-    test_heap heap;
-    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
-    heap.add_region(base, 202_MiB);
-    test_heap::block* b = heap.allocate(200_MiB + 256, 2_MiB);
-    ASSERT_NE(b, nullptr) << "the only block fits, though its size class is below the request's";
-    EXPECT_EQ(b->ptr, base);
-    heap.free(b);
-}
-
-TEST(block_heap, an_aligned_request_finds_a_block_whose_class_the_padded_search_skips) {
-    test_heap heap;
-    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
-    heap.add_region(base, 64_MiB);
-    test_heap::block* small = heap.allocate(300_KiB, 256);
-    ASSERT_NE(small, nullptr);
-    // The rest of the first region is unaligned; the second region is the only fit.
-    heap.add_region(base + 1_GiB, 64_MiB);
-    test_heap::block* b = heap.allocate(65956658, 2_MiB);
-    ASSERT_NE(b, nullptr);
-    EXPECT_EQ(b->ptr, base + 1_GiB);
-    heap.free(b);
-    heap.free(small);
 }
 
 TEST(pinned_pool, large_requests_are_not_rounded_to_powers_of_two) {

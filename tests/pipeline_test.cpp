@@ -148,16 +148,7 @@ TEST(pipeline, without_a_device_construction_is_a_cuda_error) {
 
 // ---- with a GPU -------------------------------------------------------------------------------
 
-class pipeline_gpu : public cudawait::testing::gpu_test {
-protected:
-    void TearDown() override {
-        if (!IsSkipped()) {
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            cudawait::default_pinned_pool().collect();
-        }
-        cudawait::testing::gpu_test::TearDown();
-    }
-};
+class pipeline_gpu : public cudawait::testing::pool_gpu_test {};
 
 struct batch_case {
     unsigned depth;

@@ -3,7 +3,7 @@
 #   cmake -DREADME=<README.md> -DEXAMPLE=<examples/readme_example.cu> -P readme_check.cmake
 # The README's first ```cpp block must be EXAMPLE word for word, apart from the file's SPDX line:
 # the example that is built and run (example.readme) is the one the README shows.
-cmake_minimum_required(VERSION 3.24)
+cmake_minimum_required(VERSION 3.25)
 
 file(READ "${README}" readme)
 file(READ "${EXAMPLE}" example)

@@ -26,7 +26,7 @@
 #         -DBINARY_DIR=<dir> -DSETTINGS=<file> -P run_consumer.cmake
 #       Copies include/ and the consumer sources into BINARY_DIR and builds them with bare
 #       compiler commands, once by the host C++ compiler and once by nvcc, then runs both.
-cmake_minimum_required(VERSION 3.24)
+cmake_minimum_required(VERSION 3.25)
 
 # run_step(<description> <command> [<arg>...])
 function(run_step what)
