@@ -20,11 +20,9 @@
 #include <cudawait/detail/typed_allocation.hpp>
 
 #include <cstddef>
-#include <cstdio>
 #include <source_location>
 #include <span>
 #include <type_traits>
-#include <utility>
 
 #include <cuda_runtime_api.h>
 

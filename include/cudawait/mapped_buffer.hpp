@@ -21,7 +21,6 @@
 #include <source_location>
 #include <span>
 #include <type_traits>
-#include <utility>
 
 #include <cuda_runtime_api.h>
 

@@ -26,7 +26,6 @@
 #include <exception>
 #include <span>
 #include <type_traits>
-#include <utility>
 
 namespace cudawait {
 
