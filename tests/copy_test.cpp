@@ -7,6 +7,7 @@
 #include <cudawait/when_all.hpp>
 
 #include "gpu_fixture.hpp"
+#include "host_pool.hpp"
 #include "no_device.hpp"
 #include "test_kernels.hpp"
 
@@ -65,6 +66,82 @@ TEST(copy, mismatched_sizes_zero_sizes_null_and_overlap_are_usage_errors) {
     EXPECT_THROW(copy_async(moved_from, a, s), usage_error);
 }
 
+// ---- range types of the user's: copy asks the type, as it does for the library's buffers -------
+
+// A view that states where its memory lives, as the library's buffers do.
+template <class T, memory_kind Kind>
+class stated_view {
+public:
+    static constexpr memory_kind memory = Kind;
+    stated_view(T* data, std::size_t n) : m_data(data), m_size(n) {}
+    [[nodiscard]] T* begin() const { return m_data; }
+    [[nodiscard]] T* end() const { return m_data + m_size; }
+    [[nodiscard]] T* data() const { return m_data; }
+    [[nodiscard]] std::size_t size() const { return m_size; }
+
+private:
+    T* m_data;
+    std::size_t m_size;
+};
+
+// Page-locked memory that also names the pool it came from, as pinned_buffer does.
+template <class T>
+class pooled_view : public stated_view<T, memory_kind::pinned> {
+public:
+    pooled_view(T* data, std::size_t n, cudawait::pinned_pool& pool)
+        : stated_view<T, memory_kind::pinned>(data, n), m_pool(&pool) {}
+    [[nodiscard]] cudawait::pinned_pool& pool() const { return *m_pool; }
+
+private:
+    cudawait::pinned_pool* m_pool;
+};
+
+TEST(copy, a_user_range_that_states_its_memory_is_believed_and_its_pool_is_used) {
+    using cudawait::detail::make_plan;
+    static_assert(cudawait::detail::copyable_pair<stated_view<int, memory_kind::device>,
+                                                  stated_view<const int, memory_kind::pinned>>);
+    cudawait::testing::host_pool h;
+    cudawait::pinned_pool staging(h.options());
+    cudawait::testing::host_pool h2;
+    cudawait::pinned_pool own(h2.options());
+    const copy_options opt{&staging};
+    std::vector<int> a(10);
+    std::vector<int> b(10);
+    // Every kind comes from the types: asking the driver would fail here without a device, and
+    // would call this vector memory pageable.
+    auto plan = make_plan(stated_view<int, memory_kind::device>(a.data(), 10),
+                          stated_view<const int, memory_kind::pageable>(b.data(), 10), opt);
+    EXPECT_EQ(plan.dst_kind, memory_kind::device);
+    EXPECT_EQ(plan.src_kind, memory_kind::pageable);
+    EXPECT_TRUE(plan.staged());
+    EXPECT_TRUE(plan.to_device());
+    plan = make_plan(stated_view<int, memory_kind::managed>(a.data(), 10),
+                     stated_view<const int, memory_kind::pinned>(b.data(), 10), opt);
+    EXPECT_EQ(plan.dst_kind, memory_kind::managed);
+    EXPECT_EQ(plan.src_kind, memory_kind::pinned);
+    EXPECT_FALSE(plan.staged());
+    EXPECT_EQ(plan.src_pool, nullptr) << "pinned, but not the staging pool's";
+
+    // Page-locked memory is marked in its own pool where the type names one (pool()), else in
+    // the staging pool if that owns it.
+    int* block = static_cast<int*>(own.allocate(10 * sizeof(int)));
+    plan = make_plan(stated_view<int, memory_kind::device>(a.data(), 10),
+                     pooled_view<int>(block, 10, own), opt);
+    EXPECT_EQ(plan.src_pool, &own);
+    EXPECT_EQ(plan.dst_pool, nullptr);
+    plan = make_plan(pooled_view<int>(block, 10, own),
+                     stated_view<const int, memory_kind::device>(b.data(), 10), opt);
+    EXPECT_EQ(plan.dst_pool, &own);
+    plan = make_plan(stated_view<int, memory_kind::pinned>(block, 10),
+                     stated_view<const int, memory_kind::device>(b.data(), 10), opt);
+    EXPECT_EQ(plan.dst_pool, nullptr) << "the staging pool does not own the block";
+    plan = make_plan(stated_view<int, memory_kind::pinned>(block, 10),
+                     stated_view<const int, memory_kind::device>(b.data(), 10),
+                     copy_options{&own});
+    EXPECT_EQ(plan.dst_pool, &own) << "the staging pool owns the block";
+    own.deallocate(block);
+}
+
 TEST(copy, without_a_device_is_a_cuda_error) {
     auto child = [] {
         std::vector<int> a(10, 1);
@@ -115,6 +192,51 @@ TEST_F(copy_gpu, pinned_and_device_round_trip_with_copy_async) {
     copy_async(out, dev2, s);
     s.sync();
     ASSERT_EQ(std::memcmp(out.data(), want.data(), n), 0);
+}
+
+TEST_F(copy_gpu, user_ranges_that_state_their_memory_copy_both_ways) {
+    cudawait::stream s;
+    cudawait::pinned_pool pool;
+    const std::size_t n = (3_MiB + 20) / 4;
+    const std::size_t bytes = n * sizeof(std::uint32_t);
+    std::vector<std::uint32_t> host(n);
+    std::mt19937 rng(31);
+    for (auto& x : host) {
+        x = static_cast<std::uint32_t>(rng());
+    }
+    device_buffer<std::uint32_t> dev(n, s);
+    ASSERT_EQ(cudaMemsetAsync(dev.data(), 0x77, bytes, s.get()), cudaSuccess);
+    const stated_view<const std::uint32_t, memory_kind::device> dev_in(dev.data(), n);
+    copy_options opt;
+    opt.chunk_bytes = 1_MiB;
+
+    // Pageable (as stated) to device (as stated): staged through the pool's chunks.
+    copy_async(stated_view<std::uint32_t, memory_kind::device>(dev.data(), n),
+               stated_view<const std::uint32_t, memory_kind::pageable>(host.data(), n), s, opt);
+    // Device to page-locked memory with its own pool(): one direct copy.
+    pinned_buffer<std::uint32_t> out(n, pool);
+    std::memset(out.data(), 0xcd, bytes);
+    copy_async(pooled_view<std::uint32_t>(out.data(), n, pool), dev_in, s);
+    s.sync();
+    ASSERT_EQ(std::memcmp(out.data(), host.data(), bytes), 0);
+
+    // Awaited, device to pageable (as stated): staged.
+    std::vector<std::uint32_t> back(n, 0xdeadbeef);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(
+        sched, copy(stated_view<std::uint32_t, memory_kind::pageable>(back.data(), n), dev_in, s,
+                    opt));
+    EXPECT_EQ(back, host);
+
+    // The stated pool is the one marked in use: freed while the copy still waits behind a slow
+    // kernel, the block is held back.
+    void* raw = pool.allocate(bytes);
+    ASSERT_EQ(cudawait::testing::launch_spin(100'000'000, nullptr, 0, s.get()), cudaSuccess);
+    copy_async(pooled_view<std::uint32_t>(static_cast<std::uint32_t*>(raw), n, pool), dev_in, s);
+    pool.deallocate(raw);
+    EXPECT_EQ(pool.stats().pending_bytes, bytes) << "freed while the copy engine will write it";
+    s.sync();
+    EXPECT_EQ(pool.collect(), bytes);
 }
 
 TEST_F(copy_gpu, pool_memory_is_marked_in_use_by_the_stream) {

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <random>
+#include <ranges>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -20,12 +22,38 @@ using cudawait::usage_error;
 
 static_assert(!std::is_copy_constructible_v<device_buffer<int>>);
 static_assert(std::is_nothrow_move_constructible_v<device_buffer<int>>);
+static_assert(std::ranges::contiguous_range<device_buffer<int>>);
+template <class B>
+concept indexable = requires(const B& b) { b[0]; };
+// Device memory: the host has nothing to index, so there is no operator[] to misuse.
+static_assert(!indexable<device_buffer<int>>);
+
+// Everything that exposes the memory throws on an empty buffer; the message names the type.
+template <class T>
+void expect_no_access(const device_buffer<T>& b) {
+    EXPECT_FALSE(b);
+    EXPECT_TRUE(b.empty());
+    EXPECT_EQ(b.size(), 0u);
+    EXPECT_EQ(b.size_bytes(), 0u);
+    EXPECT_THROW((void)b.data(), usage_error);
+    EXPECT_THROW((void)b.span(), usage_error);
+    EXPECT_THROW((void)b.begin(), usage_error);
+    EXPECT_THROW((void)b.end(), usage_error);
+    try {
+        (void)b.data();
+        ADD_FAILURE() << "no exception";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("device_buffer"), std::string::npos) << e.what();
+    }
+}
 
 TEST(device_buffer, zero_elements_is_a_usage_error_before_any_cuda_call) {
-    EXPECT_THROW(device_buffer<int>(0, cudawait::stream_ref(cudaStreamPerThread)), usage_error);
+    const auto s = cudawait::stream_ref(cudaStreamPerThread);
+    EXPECT_THROW(device_buffer<int>(0, s), usage_error);
+    EXPECT_THROW(device_buffer<double>(std::size_t(-1) / 4, s), usage_error) << "byte overflow";
     device_buffer<int> empty;
-    EXPECT_THROW((void)empty.data(), usage_error);
-    EXPECT_TRUE(empty.empty());
+    expect_no_access(empty);
+    EXPECT_EQ(empty.stream(), cudawait::stream_ref(cudaStreamPerThread));
 }
 
 class device_buffer_gpu : public cudawait::testing::gpu_test {};
@@ -62,14 +90,27 @@ TEST_F(device_buffer_gpu, moves_and_set_stream_keep_one_owner) {
     float* p = a.data();
     device_buffer<float> b(std::move(a));
     EXPECT_EQ(b.data(), p);
-    EXPECT_THROW((void)a.data(), usage_error); // NOLINT(bugprone-use-after-move)
+    EXPECT_EQ(b.size(), 1000u);
+    {
+        SCOPED_TRACE("moved from");
+        expect_no_access(a); // NOLINT(bugprone-use-after-move)
+    }
+    EXPECT_EQ(a.stream(), cudawait::stream_ref(s1)) << "a moved-from buffer keeps its stream";
     b.set_stream(s2);
     EXPECT_EQ(b.stream(), cudawait::stream_ref(s2));
     device_buffer<float> c(10, s1);
     c = std::move(b);
     EXPECT_EQ(c.data(), p);
+    EXPECT_EQ(c.stream(), cudawait::stream_ref(s2)) << "the stream moves with the memory";
+    {
+        SCOPED_TRACE("move-assigned from");
+        expect_no_access(b); // NOLINT(bugprone-use-after-move)
+    }
     c.reset();
-    EXPECT_TRUE(c.empty());
+    {
+        SCOPED_TRACE("reset");
+        expect_no_access(c);
+    }
     s1.sync();
     s2.sync();
 }

@@ -30,6 +30,7 @@ static_assert(!std::is_constructible_v<event_ref, std::nullptr_t>);
 static_assert(!std::is_copy_constructible_v<event>);
 static_assert(!std::is_copy_constructible_v<pooled_event>);
 static_assert(std::is_nothrow_move_constructible_v<event>);
+static_assert(sizeof(event_ref) == sizeof(cudaEvent_t), "the operations add no state");
 
 TEST(event, adopting_a_null_handle_is_a_usage_error) {
     EXPECT_THROW((void)event::from_native_handle(nullptr), usage_error);
@@ -38,18 +39,94 @@ TEST(event, adopting_a_null_handle_is_a_usage_error) {
     EXPECT_THROW((void)empty.get(), usage_error);
 }
 
+// Every operation of an empty owner throws before any CUDA call (so this runs without a device,
+// and no null event ever reaches the driver).
+template <class E>
+void expect_every_operation_throws(const E& e) {
+    const auto s = cudawait::stream_ref(reinterpret_cast<cudaStream_t>(std::uintptr_t{0x5EED}));
+    EXPECT_FALSE(static_cast<bool>(e));
+    EXPECT_THROW((void)e.get(), usage_error);
+    EXPECT_THROW((void)event_ref(e), usage_error);
+    EXPECT_THROW(e.record(s), usage_error);
+    EXPECT_THROW((void)e.is_done(), usage_error);
+    EXPECT_THROW((void)e.ready(), usage_error);
+    EXPECT_THROW(e.sync(), usage_error);
+}
+
+TEST(event, every_operation_of_a_moved_from_or_released_event_is_a_usage_error) {
+    const long before = event::live_count();
+    auto fake = reinterpret_cast<cudaEvent_t>(std::uintptr_t{0xE7});
+    event owner = event::from_native_handle(fake);
+    event moved(std::move(owner));
+    {
+        SCOPED_TRACE("moved from");
+        expect_every_operation_throws(owner); // NOLINT(bugprone-use-after-move)
+    }
+    EXPECT_EQ(moved.release(), fake);
+    {
+        SCOPED_TRACE("released");
+        expect_every_operation_throws(moved);
+    }
+    EXPECT_EQ(event::live_count(), before);
+}
+
+TEST(event, every_operation_of_an_empty_or_moved_from_pooled_event_is_a_usage_error) {
+    pooled_event empty;
+    {
+        SCOPED_TRACE("default constructed");
+        expect_every_operation_throws(empty);
+    }
+    pooled_event moved(std::move(empty));
+    {
+        SCOPED_TRACE("moved from");
+        expect_every_operation_throws(empty); // NOLINT(bugprone-use-after-move)
+    }
+    moved.reset();
+    {
+        SCOPED_TRACE("reset");
+        expect_every_operation_throws(moved);
+    }
+}
+
 class event_gpu : public cudawait::testing::gpu_test {};
 
 TEST_F(event_gpu, records_and_reports_completion) {
     stream s;
     event e;
-    EXPECT_TRUE(e.ready()) << "a never-recorded event counts as complete";
+    EXPECT_TRUE(e.is_done()) << "a never-recorded event counts as complete";
+    EXPECT_TRUE(e.ready());
     check(cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()), "launch");
     e.record(s);
+    EXPECT_FALSE(e.is_done()) << "the kernel spins for 30 ms";
     EXPECT_FALSE(e.ready());
+    EXPECT_FALSE(event_ref(e).is_done());
     e.sync();
+    EXPECT_TRUE(e.is_done());
     EXPECT_TRUE(e.ready());
+    EXPECT_TRUE(event_ref(e).is_done());
     EXPECT_TRUE(event_ref(e).ready());
+}
+
+TEST_F(event_gpu, a_pooled_event_and_a_view_record_wait_and_report_completion) {
+    stream s;
+    pooled_event pe = event_pool::for_device(0).acquire();
+    check(cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()), "launch");
+    pe.record(s);
+    EXPECT_FALSE(pe.is_done()) << "the kernel spins for 30 ms";
+    EXPECT_FALSE(pe.ready());
+    pe.sync();
+    EXPECT_TRUE(pe.is_done());
+    EXPECT_TRUE(pe.ready());
+    // Recorded through a view, the owner sees the new capture.
+    const event_ref view(pe);
+    check(cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()), "launch");
+    view.record(s);
+    EXPECT_FALSE(view.is_done());
+    EXPECT_FALSE(pe.is_done());
+    view.sync();
+    EXPECT_TRUE(view.is_done());
+    EXPECT_TRUE(pe.is_done());
+    EXPECT_TRUE(view.ready());
 }
 
 TEST_F(event_gpu, timing_disabled_by_default) {
@@ -81,6 +158,7 @@ TEST_F(event_gpu, moves_do_not_leak_and_moved_from_is_a_usage_error) {
     EXPECT_EQ(event::live_count(), before + 1);
     EXPECT_EQ(b.get(), ha);
     EXPECT_THROW((void)a.get(), usage_error);
+    EXPECT_THROW((void)a.is_done(), usage_error);
     EXPECT_THROW((void)a.ready(), usage_error);
     cudaEvent_t raw = b.release();
     EXPECT_EQ(event::live_count(), before);
@@ -113,6 +191,7 @@ TEST_F(event_gpu, pool_recycles_events) {
     stream s;
     again[0].record(s);
     s.sync();
+    EXPECT_TRUE(again[0].is_done());
     EXPECT_TRUE(again[0].ready());
 }
 

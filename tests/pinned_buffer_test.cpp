@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory_resource>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -80,6 +81,59 @@ TEST(pinned_buffer, moves_transfer_ownership_and_leave_an_empty_buffer) {
     c.reset();
     EXPECT_EQ(pool.stats().blocks_in_use, 0u);
     EXPECT_TRUE(c.empty());
+}
+
+// Everything that reaches the memory throws on an empty buffer, operator[] included (it used to
+// index a null pointer), and the message names the buffer type.
+void expect_no_access(const pinned_buffer<int>& b) {
+    EXPECT_FALSE(b);
+    EXPECT_TRUE(b.empty());
+    EXPECT_EQ(b.size(), 0u);
+    EXPECT_EQ(b.size_bytes(), 0u);
+    EXPECT_THROW((void)b.data(), usage_error);
+    EXPECT_THROW((void)b[0], usage_error);
+    EXPECT_THROW((void)b.span(), usage_error);
+    EXPECT_THROW((void)b.begin(), usage_error);
+    EXPECT_THROW((void)b.end(), usage_error);
+    EXPECT_THROW((void)b.pool(), usage_error);
+    EXPECT_THROW(b.record_use(fake_stream(1)), usage_error);
+    try {
+        (void)b[3];
+        ADD_FAILURE() << "no exception";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("pinned_buffer"), std::string::npos) << e.what();
+    }
+}
+
+TEST(pinned_buffer, an_empty_moved_from_or_reset_buffer_gives_no_access_to_memory) {
+    host_pool h;
+    pinned_pool pool(h.options());
+    {
+        SCOPED_TRACE("default constructed");
+        expect_no_access(pinned_buffer<int>());
+    }
+    pinned_buffer<int> a(8, pool);
+    a[7] = 42;
+    pinned_buffer<int> b(std::move(a));
+    EXPECT_EQ(b[7], 42);
+    {
+        SCOPED_TRACE("moved from");
+        expect_no_access(a); // NOLINT(bugprone-use-after-move): checking the moved-from state
+    }
+    pinned_buffer<int> c(4, pool);
+    c = std::move(b);
+    {
+        SCOPED_TRACE("move-assigned from");
+        expect_no_access(b); // NOLINT(bugprone-use-after-move)
+    }
+    EXPECT_EQ(c[7], 42);
+    EXPECT_EQ(&c.pool(), &pool);
+    c.reset();
+    {
+        SCOPED_TRACE("reset");
+        expect_no_access(c);
+    }
+    EXPECT_EQ(pool.stats().blocks_in_use, 0u);
 }
 
 TEST(pinned_buffer, record_use_defers_reuse_of_its_block) {

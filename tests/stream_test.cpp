@@ -30,6 +30,7 @@ static_assert(!std::is_copy_constructible_v<stream>);
 static_assert(std::is_nothrow_move_constructible_v<stream>);
 static_assert(std::is_convertible_v<const stream&, stream_ref>);
 static_assert(std::is_convertible_v<const stream&, cuda::stream_ref>);
+static_assert(sizeof(stream_ref) == sizeof(cudaStream_t), "the operations add no state");
 
 TEST(stream, views_round_trip_raw_and_libcudacxx_handles) {
     auto raw = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x1234});
@@ -45,6 +46,39 @@ TEST(stream, views_round_trip_raw_and_libcudacxx_handles) {
 
 TEST(stream, adopting_a_null_handle_is_a_usage_error) {
     EXPECT_THROW((void)stream::from_native_handle(nullptr), usage_error);
+}
+
+// A handle CUDA never sees: every operation of an empty owner must throw before any CUDA call,
+// so this runs without a device (and a null handle never reaches the legacy stream).
+void expect_every_operation_throws(const stream& s) {
+    EXPECT_FALSE(static_cast<bool>(s));
+    EXPECT_THROW((void)s.get(), usage_error);
+    EXPECT_THROW((void)s.ref(), usage_error);
+    EXPECT_THROW((void)static_cast<stream_ref>(s), usage_error);
+    EXPECT_THROW((void)static_cast<cuda::stream_ref>(s), usage_error);
+    EXPECT_THROW((void)s.is_done(), usage_error);
+    EXPECT_THROW((void)s.ready(), usage_error);
+    EXPECT_THROW(s.sync(), usage_error);
+    EXPECT_THROW(s.wait(reinterpret_cast<cudaEvent_t>(std::uintptr_t{0xE7})), usage_error);
+    EXPECT_THROW((void)s.device(), usage_error);
+    EXPECT_THROW((void)s.priority(), usage_error);
+}
+
+TEST(stream, every_operation_of_a_moved_from_or_released_stream_is_a_usage_error) {
+    const long before = stream::live_count();
+    auto fake = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x5EED});
+    stream owner = stream::from_native_handle(fake);
+    stream moved(std::move(owner));
+    {
+        SCOPED_TRACE("moved from");
+        expect_every_operation_throws(owner); // NOLINT(bugprone-use-after-move)
+    }
+    EXPECT_EQ(moved.release(), fake);
+    {
+        SCOPED_TRACE("released");
+        expect_every_operation_throws(moved);
+    }
+    EXPECT_EQ(stream::live_count(), before);
 }
 
 class stream_gpu : public cudawait::testing::gpu_test {};
@@ -78,6 +112,7 @@ TEST_F(stream_gpu, moved_from_stream_is_a_usage_error_and_moves_do_not_leak) {
     EXPECT_FALSE(static_cast<bool>(a));
     EXPECT_THROW((void)a.get(), usage_error);
     EXPECT_THROW(a.sync(), usage_error);
+    EXPECT_THROW((void)a.is_done(), usage_error);
     EXPECT_THROW((void)a.ready(), usage_error);
     stream c(std::move(b));
     EXPECT_EQ(c.get(), ha);
@@ -115,7 +150,7 @@ TEST_F(stream_gpu, destruction_waits_for_work_in_flight) {
     check(cudaFreeHost(flag), "cudaFreeHost");
 }
 
-TEST_F(stream_gpu, ready_sync_and_cross_stream_wait) {
+TEST_F(stream_gpu, is_done_ready_sync_and_cross_stream_wait) {
     stream producer;
     stream consumer;
     std::uint32_t* value = nullptr;
@@ -125,7 +160,9 @@ TEST_F(stream_gpu, ready_sync_and_cross_stream_wait) {
     *copied = 0xDEADBEEFu;
     check(cudaMemsetAsync(value, 0, sizeof(std::uint32_t), producer.get()), "cudaMemsetAsync");
     check(cudawait::testing::launch_spin(30'000'000, value, 0x5EEDu, producer.get()), "launch");
+    EXPECT_FALSE(producer.is_done()) << "the kernel spins for 30 ms";
     EXPECT_FALSE(producer.ready());
+    EXPECT_FALSE(stream_ref(producer).is_done());
     cudaEvent_t done = nullptr;
     check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaEventRecord(done, producer.get()), "cudaEventRecord");
@@ -134,8 +171,12 @@ TEST_F(stream_gpu, ready_sync_and_cross_stream_wait) {
                           consumer.get()),
           "cudaMemcpyAsync");
     consumer.sync();
+    EXPECT_TRUE(consumer.is_done());
     EXPECT_TRUE(consumer.ready());
+    EXPECT_TRUE(producer.is_done()) << "the consumer waited for the producer's event";
     EXPECT_TRUE(producer.ready());
+    EXPECT_TRUE(stream_ref(producer).is_done());
+    EXPECT_TRUE(stream_ref(producer).ready());
     EXPECT_EQ(*copied, 0x5EEDu);
     check(cudaEventDestroy(done), "cudaEventDestroy");
     check(cudaFree(value), "cudaFree");

@@ -7,9 +7,11 @@
 //   (memory_kind and classify live in memory_kind.hpp)
 //
 // `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
-// pinned_buffer, device_buffer, mapped_buffer. The direction follows from where the memory lives.
-// Pool memory (a pinned_buffer, or any pointer into the staging pool) is marked with
-// record_use, so freeing it right after the call is safe.
+// pinned_buffer, device_buffer, mapped_buffer, or a type of your own. The direction follows from
+// where the memory lives: a range type that states it (`static constexpr memory_kind memory`,
+// memory_kind.hpp; the library's buffers do) is believed, any other is classified by the driver.
+// Pool memory (a range with a pool() such as pinned_buffer, or any pointer into the staging pool)
+// is marked with record_use, so freeing it right after the call is safe.
 //
 // Pageable host memory is never handed to cudaMemcpyAsync, which would copy it synchronously
 // through the driver's small staging buffers. It is staged through a ring of page-locked chunks
@@ -22,12 +24,10 @@
 //   - co_await copy(...) waits without blocking the scheduler, except for the host memcpy of
 //     each chunk, which runs on the scheduler's thread with the helpers.
 
-#include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
-#include <cudawait/mapped_buffer.hpp>
 #include <cudawait/memory_kind.hpp>
-#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/pinned_buffer.hpp> // detail::staged_copy's chunks, not the buffer arguments
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
@@ -214,7 +214,8 @@ template <class R>
 concept copy_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
     std::is_trivially_copyable_v<std::ranges::range_value_t<R>>;
 
-// The pool a range's memory belongs to: a pinned_buffer's own, else `fallback` if it owns it.
+// The pool a range's memory belongs to: its own pool() where it has one (a pinned_buffer), else
+// `fallback` if that owns the memory. Asked of the type, so copy needs no buffer header.
 template <class R>
 pinned_pool* owning_pool(const R& r, const void* p, pinned_pool& fallback) {
     using plain = std::remove_cvref_t<R>;

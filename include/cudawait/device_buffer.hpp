@@ -9,30 +9,46 @@
 // Move-only; freed with cudaFreeAsync on its stream, so the memory is reused only after work
 // already enqueued on that stream. Work on other streams that uses the buffer must be ordered
 // before the free (an event the freeing stream waits on), as with cudaFreeAsync itself.
+// data(), span(), begin() and end() of an empty (default-constructed, moved-from or reset) buffer
+// throw usage_error. There is no operator[]: the host cannot touch device memory.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/stream.hpp>
 
+#include <cudawait/detail/typed_allocation.hpp>
+
 #include <cstddef>
-#include <cstdio>
 #include <source_location>
 #include <span>
 #include <type_traits>
-#include <utility>
 
 #include <cuda_runtime_api.h>
 
 namespace cudawait {
 
+namespace detail {
+/// How a device_buffer frees its memory: cudaFreeAsync on the buffer's stream.
+struct stream_ordered_free {
+    static constexpr const char* name = "device_buffer";
+    stream_ref stream{cudaStreamPerThread};
+
+    void operator()(void* data) const noexcept {
+        detail::report(cudaFreeAsync(data, stream.get()), "cudaFreeAsync");
+    }
+};
+} // namespace detail
+
 /// `count` uninitialised elements of device memory, allocated and freed in stream order.
+///
+/// data(), size(), span(), begin(), end() and the moves: detail::typed_allocation.
 template <class T>
-class device_buffer {
+class device_buffer : public detail::typed_allocation<T, detail::stream_ordered_free> {
     static_assert(std::is_trivially_copyable_v<T>, "device_buffer holds trivially copyable types");
+    using base = detail::typed_allocation<T, detail::stream_ordered_free>;
 
 public:
-    using value_type = T;
     /// Where the elements live (copy asks the type instead of the driver).
     static constexpr memory_kind memory = memory_kind::device;
 
@@ -41,72 +57,28 @@ public:
     /// Allocates on `s`'s device, ordered after the work enqueued on `s`.
     /// @throws usage_error for a zero count; cuda_error (cudaErrorMemoryAllocation when full)
     device_buffer(std::size_t count, stream_ref s,
-                  std::source_location where = std::source_location::current())
-        : m_stream(s) {
-        if (count == 0) {
-            throw usage_error("device_buffer: zero elements requested");
-        }
-        if (count > std::size_t(-1) / sizeof(T)) {
-            throw usage_error("device_buffer: element count overflows the byte size");
-        }
+                  std::source_location where = std::source_location::current()) {
+        std::size_t bytes = base::checked_bytes(count);
         device_guard guard(device_ref(s.device(where), where), where);
         void* p = nullptr;
-        check(cudaMallocAsync(&p, count * sizeof(T), s.get()), "cudaMallocAsync", where);
-        m_data = static_cast<T*>(p);
-        m_count = count;
+        check(cudaMallocAsync(&p, bytes, s.get()), "cudaMallocAsync", where);
+        this->adopt(static_cast<T*>(p), count, detail::stream_ordered_free{s});
     }
-
-    device_buffer(device_buffer&& other) noexcept
-        : m_stream(other.m_stream), m_data(std::exchange(other.m_data, nullptr)),
-          m_count(std::exchange(other.m_count, 0)) {}
-    device_buffer& operator=(device_buffer&& other) noexcept {
-        if (this != &other) {
-            reset();
-            m_stream = other.m_stream;
-            m_data = std::exchange(other.m_data, nullptr);
-            m_count = std::exchange(other.m_count, 0);
-        }
-        return *this;
-    }
-    device_buffer(const device_buffer&) = delete;
-    device_buffer& operator=(const device_buffer&) = delete;
-    ~device_buffer() { reset(); }
 
     /// Frees now, in the order of the buffer's stream; the buffer becomes empty.
-    void reset() noexcept {
-        if (m_data != nullptr) {
-            detail::report(cudaFreeAsync(m_data, m_stream.get()), "cudaFreeAsync");
-            m_data = nullptr;
-            m_count = 0;
-        }
-    }
+    using base::reset;
 
     /// The stream the memory is freed on.
-    [[nodiscard]] stream_ref stream() const noexcept { return m_stream; }
+    [[nodiscard]] stream_ref stream() const noexcept { return this->release_fn().stream; }
     /// Frees on `s` from now on (it must be on the same device).
-    void set_stream(stream_ref s) noexcept { m_stream = s; }
-
-    /// @throws usage_error on an empty (moved-from) buffer
-    [[nodiscard]] T* data() const {
-        if (m_data == nullptr) {
-            throw usage_error("device_buffer: use of an empty or moved-from buffer");
-        }
-        return m_data;
-    }
-    [[nodiscard]] std::size_t size() const noexcept { return m_count; }
-    [[nodiscard]] std::size_t size_bytes() const noexcept { return m_count * sizeof(T); }
-    [[nodiscard]] bool empty() const noexcept { return m_count == 0; }
-    [[nodiscard]] explicit operator bool() const noexcept { return m_data != nullptr; }
+    void set_stream(stream_ref s) noexcept { this->release_fn().stream = s; }
 
     /// A span over device memory: for kernels and copies, not for host access.
-    [[nodiscard]] std::span<T> span() const { return {data(), m_count}; }
-    [[nodiscard]] T* begin() const { return data(); }
-    [[nodiscard]] T* end() const { return data() + m_count; }
+    /// @throws usage_error on an empty buffer
+    using base::span;
 
-private:
-    stream_ref m_stream{cudaStreamPerThread};
-    T* m_data = nullptr;
-    std::size_t m_count = 0;
+    /// Not provided: the host cannot read or write device memory, so there is nothing to index.
+    T& operator[](std::size_t) const = delete;
 };
 
 } // namespace cudawait

@@ -2,10 +2,12 @@
 #pragma once
 
 // Synopsis
-//   class event;        owning cudaEvent_t (timing disabled unless asked); record / ready / sync
+//   class event;        owning cudaEvent_t (timing disabled unless asked)
 //   class event_pool;   per-device cache of recycled cudaEventDisableTiming events
 //   class pooled_event; an event borrowed from a pool, given back when it goes out of scope
 //   class event_ref;    trivially copyable view of any of the above or of a raw cudaEvent_t
+//   e.record(stream)  e.is_done()  e.sync()   on event, pooled_event and event_ref
+//                                             (ready(): the older name of is_done())
 //
 // Inside a task, `co_await ev` resumes once the work captured by the event's last record
 // finished (scheduler.hpp).
@@ -13,6 +15,8 @@
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/stream.hpp>
+
+#include <cudawait/detail/event_ops.hpp>
 
 #include <atomic>
 #include <cstddef>
@@ -29,20 +33,10 @@ namespace cudawait {
 namespace detail {
 /// Events created by the library and not yet destroyed (leak checks in tests).
 inline std::atomic<long> g_live_events{0};
-
-/// Maps cudaErrorNotReady to false and success to true; anything else throws.
-inline bool event_ready(cudaEvent_t ev, const std::source_location& where) {
-    cudaError_t st = cudaEventQuery(ev);
-    if (st == cudaErrorNotReady) {
-        return false;
-    }
-    check(st, "cudaEventQuery", where);
-    return true;
-}
 } // namespace detail
 
 /// An owning CUDA event. Move-only; using a moved-from event throws `usage_error`.
-class event {
+class event : public detail::event_ops<event> {
 public:
     /// Events made for waiting skip timing (cheaper to record and query).
     static constexpr unsigned default_flags = cudaEventDisableTiming;
@@ -98,21 +92,7 @@ public:
     }
     [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
 
-    /// Captures the work enqueued on `s` so far.
-    /// @throws cuda_error, usage_error
-    void record(stream_ref s, std::source_location where = std::source_location::current()) {
-        check(cudaEventRecord(get(), s.get()), "cudaEventRecord", where);
-    }
-    /// True once the captured work completed (also for a never-recorded event).
-    /// @throws cuda_error for errors other than cudaErrorNotReady
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        return detail::event_ready(get(), where);
-    }
-    /// Blocks the calling thread until the captured work completed. Prefer `co_await`.
-    /// @throws cuda_error
-    void sync(std::source_location where = std::source_location::current()) const {
-        check(cudaEventSynchronize(get()), "cudaEventSynchronize", where);
-    }
+    // record / is_done / ready / sync: detail::event_ops, through get().
 
     /// Events owned by the library and not yet destroyed (pooled ones included).
     [[nodiscard]] static long live_count() noexcept {
@@ -134,7 +114,7 @@ private:
 class event_pool;
 
 /// An event borrowed from an `event_pool`; returned to it on destruction. Move-only.
-class pooled_event {
+class pooled_event : public detail::event_ops<pooled_event> {
 public:
     pooled_event() noexcept = default;
     pooled_event(const pooled_event&) = delete;
@@ -160,14 +140,7 @@ public:
     }
     [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
 
-    /// @copydoc event::record
-    void record(stream_ref s, std::source_location where = std::source_location::current()) {
-        check(cudaEventRecord(get(), s.get()), "cudaEventRecord", where);
-    }
-    /// @copydoc event::ready
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        return detail::event_ready(get(), where);
-    }
+    // record / is_done / ready / sync: detail::event_ops, through get().
 
     /// Gives the event back to its pool now.
     inline void reset() noexcept;
@@ -272,7 +245,7 @@ private:
 
 /// A non-owning view of a CUDA event. Inside a task, `co_await ev` resumes once the work the
 /// event captured completed; the event must outlive the await.
-class event_ref {
+class event_ref : public detail::event_ops<event_ref> {
 public:
     constexpr event_ref(cudaEvent_t handle) noexcept : m_handle(handle) {}
     event_ref(int) = delete;
@@ -282,20 +255,15 @@ public:
     /// @throws usage_error for an empty pooled_event
     event_ref(const pooled_event& e) : m_handle(e.get()) {}
 
+    /// The raw handle; never throws (a view has no moved-from state).
     [[nodiscard]] constexpr cudaEvent_t get() const noexcept { return m_handle; }
-    /// @copydoc event::record
-    void record(stream_ref s, std::source_location where = std::source_location::current()) const {
-        check(cudaEventRecord(m_handle, s.get()), "cudaEventRecord", where);
+
+    // record / is_done / ready / sync: detail::event_ops.
+
+    // Spelled out: a defaulted == would also compare the (empty) event_ops base, which has none.
+    friend constexpr bool operator==(event_ref a, event_ref b) noexcept {
+        return a.m_handle == b.m_handle;
     }
-    /// @copydoc event::ready
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        return detail::event_ready(m_handle, where);
-    }
-    /// @copydoc event::sync
-    void sync(std::source_location where = std::source_location::current()) const {
-        check(cudaEventSynchronize(m_handle), "cudaEventSynchronize", where);
-    }
-    friend constexpr bool operator==(event_ref, event_ref) noexcept = default;
 
 private:
     cudaEvent_t m_handle;

@@ -10,30 +10,51 @@
 //   buf.reset();                          gives the block back now
 //
 // Move-only; the elements are not initialised. The block goes back to its pool when the buffer
-// is destroyed or reset.
+// is destroyed or reset. On an empty (default-constructed, moved-from or reset) buffer, every
+// access to the memory (data(), span(), begin(), end(), operator[], pool(), record_use) throws
+// usage_error.
 
 #include <cudawait/error.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/stream.hpp>
 
+#include <cudawait/detail/typed_allocation.hpp>
+
 #include <cstddef>
 #include <cstdio>
 #include <exception>
 #include <span>
 #include <type_traits>
-#include <utility>
 
 namespace cudawait {
 
+namespace detail {
+/// How a pinned_buffer gives its block back: to the pool it came from.
+struct pinned_block_release {
+    static constexpr const char* name = "pinned_buffer";
+    pinned_pool* pool = nullptr;
+
+    void operator()(void* block) const noexcept {
+        try {
+            pool->deallocate(block);
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "cudawait: pinned_buffer: %s\n", e.what());
+        }
+    }
+};
+} // namespace detail
+
 /// `count` elements of page-locked host memory from a pinned_pool. The elements are not
 /// initialised (T must be trivially copyable: the GPU writes them).
+///
+/// data(), size(), span(), begin(), end(), operator[] and the moves: detail::typed_allocation.
 template <class T>
-class pinned_buffer {
+class pinned_buffer : public detail::typed_allocation<T, detail::pinned_block_release> {
     static_assert(std::is_trivially_copyable_v<T>, "pinned_buffer holds trivially copyable types");
+    using base = detail::typed_allocation<T, detail::pinned_block_release>;
 
 public:
-    using value_type = T;
     /// Where the elements live (copy asks the type instead of the driver).
     static constexpr memory_kind memory = memory_kind::pinned;
 
@@ -41,80 +62,25 @@ public:
     pinned_buffer() noexcept = default;
 
     /// @throws usage_error for a zero count; pool_exhausted at the pool's cap
-    explicit pinned_buffer(std::size_t count, pinned_pool& pool = default_pinned_pool())
-        : m_pool(&pool), m_count(count) {
-        if (count == 0) {
-            throw usage_error("pinned_buffer: zero elements requested");
-        }
-        if (count > std::size_t(-1) / sizeof(T)) {
-            throw usage_error("pinned_buffer: element count overflows the byte size");
-        }
-        m_data =
-            static_cast<T*>(pool.allocate(count * sizeof(T), alignof(T) < 256 ? 256 : alignof(T)));
+    explicit pinned_buffer(std::size_t count, pinned_pool& pool = default_pinned_pool()) {
+        std::size_t bytes = base::checked_bytes(count);
+        void* block = pool.allocate(bytes, alignof(T) < 256 ? 256 : alignof(T));
+        this->adopt(static_cast<T*>(block), count, detail::pinned_block_release{&pool});
     }
-
-    pinned_buffer(pinned_buffer&& other) noexcept
-        : m_pool(std::exchange(other.m_pool, nullptr)),
-          m_data(std::exchange(other.m_data, nullptr)), m_count(std::exchange(other.m_count, 0)) {}
-    pinned_buffer& operator=(pinned_buffer&& other) noexcept {
-        if (this != &other) {
-            reset();
-            m_pool = std::exchange(other.m_pool, nullptr);
-            m_data = std::exchange(other.m_data, nullptr);
-            m_count = std::exchange(other.m_count, 0);
-        }
-        return *this;
-    }
-    pinned_buffer(const pinned_buffer&) = delete;
-    pinned_buffer& operator=(const pinned_buffer&) = delete;
-    ~pinned_buffer() { reset(); }
 
     /// Gives the block back to its pool now; the buffer becomes empty.
-    void reset() noexcept {
-        if (m_data != nullptr) {
-            try {
-                m_pool->deallocate(m_data);
-            } catch (const std::exception& e) {
-                std::fprintf(stderr, "cudawait: pinned_buffer: %s\n", e.what());
-            }
-            m_data = nullptr;
-            m_count = 0;
-        }
-    }
+    using base::reset;
 
     /// Records that work enqueued on `s` so far may use this memory.
     /// @throws usage_error on an empty buffer; cuda_error
-    void record_use(stream_ref s) const { pool().record_use(data(), s); }
+    void record_use(stream_ref s) const { pool().record_use(this->data(), s); }
 
-    /// @throws usage_error on an empty (moved-from) buffer
-    [[nodiscard]] T* data() const {
-        if (m_data == nullptr) {
-            throw usage_error("pinned_buffer: use of an empty or moved-from buffer");
-        }
-        return m_data;
-    }
-    [[nodiscard]] std::size_t size() const noexcept { return m_count; }
-    [[nodiscard]] std::size_t size_bytes() const noexcept { return m_count * sizeof(T); }
-    [[nodiscard]] bool empty() const noexcept { return m_count == 0; }
-    [[nodiscard]] explicit operator bool() const noexcept { return m_data != nullptr; }
-
-    [[nodiscard]] std::span<T> span() const { return {data(), m_count}; }
-    [[nodiscard]] T* begin() const { return data(); }
-    [[nodiscard]] T* end() const { return data() + m_count; }
-    [[nodiscard]] T& operator[](std::size_t i) const { return m_data[i]; }
-
+    /// The pool the block came from.
     /// @throws usage_error on an empty buffer
     [[nodiscard]] pinned_pool& pool() const {
-        if (m_pool == nullptr) {
-            throw usage_error("pinned_buffer: use of an empty or moved-from buffer");
-        }
-        return *m_pool;
+        this->throw_if_empty();
+        return *this->release_fn().pool;
     }
-
-private:
-    pinned_pool* m_pool = nullptr;
-    T* m_data = nullptr;
-    std::size_t m_count = 0;
 };
 
 } // namespace cudawait

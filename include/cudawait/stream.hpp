@@ -6,12 +6,15 @@
 //                      cudaStream_t and (when libcu++ is on the include path) cuda::stream_ref
 //   class stream;      owning, non-blocking stream with a priority; synchronised before it is
 //                      destroyed; release() / from_native_handle() hand ownership across
+//   s.is_done()  s.sync()  s.wait(event)  s.device()  s.priority()   on both (ready(): is_done)
 //
 // Inside a task, `co_await s` resumes once all work enqueued on `s` before the await finished
 // (scheduler.hpp).
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
+
+#include <cudawait/detail/stream_ops.hpp>
 
 #include <atomic>
 #include <cstddef>
@@ -35,7 +38,7 @@ inline std::atomic<long> g_live_streams{0};
 } // namespace detail
 
 /// A non-owning view of a CUDA stream. Cheap to copy; never destroys the stream.
-class stream_ref {
+class stream_ref : public detail::stream_ops<stream_ref> {
 public:
     /// Wraps a raw handle. `cudaStreamPerThread` is accepted; the legacy default stream has to
     /// be named explicitly with `cudaStreamLegacy` (an int or nullptr will not convert).
@@ -47,50 +50,16 @@ public:
     constexpr operator ::cuda::stream_ref() const noexcept { return ::cuda::stream_ref(m_handle); }
 #endif
 
+    /// The raw handle; never throws (a view has no moved-from state).
     [[nodiscard]] constexpr cudaStream_t get() const noexcept { return m_handle; }
     constexpr operator cudaStream_t() const noexcept { return m_handle; }
 
-    /// True when all work enqueued so far has completed.
-    /// @throws cuda_error for any status other than success and cudaErrorNotReady
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        cudaError_t st = cudaStreamQuery(m_handle);
-        if (st == cudaErrorNotReady) {
-            return false;
-        }
-        check(st, "cudaStreamQuery", where);
-        return true;
-    }
+    // is_done / ready / sync / wait / device / priority: detail::stream_ops.
 
-    /// Blocks the calling thread until the stream is idle. Prefer `co_await` in a task.
-    /// @throws cuda_error
-    void sync(std::source_location where = std::source_location::current()) const {
-        check(cudaStreamSynchronize(m_handle), "cudaStreamSynchronize", where);
+    // Spelled out: a defaulted == would also compare the (empty) stream_ops base, which has none.
+    friend constexpr bool operator==(stream_ref a, stream_ref b) noexcept {
+        return a.m_handle == b.m_handle;
     }
-
-    /// Makes later work on this stream wait for `event` (`cudaStreamWaitEvent`); the host does
-    /// not block.
-    /// @throws cuda_error
-    void wait(cudaEvent_t event, std::source_location where = std::source_location::current()) const {
-        check(cudaStreamWaitEvent(m_handle, event, 0), "cudaStreamWaitEvent", where);
-    }
-
-    /// The device the stream belongs to.
-    /// @throws cuda_error
-    [[nodiscard]] int device(std::source_location where = std::source_location::current()) const {
-        int dev = 0;
-        check(cudaStreamGetDevice(m_handle, &dev), "cudaStreamGetDevice", where);
-        return dev;
-    }
-
-    /// The stream's priority (lower numbers run first).
-    /// @throws cuda_error
-    [[nodiscard]] int priority(std::source_location where = std::source_location::current()) const {
-        int p = 0;
-        check(cudaStreamGetPriority(m_handle, &p), "cudaStreamGetPriority", where);
-        return p;
-    }
-
-    friend constexpr bool operator==(stream_ref, stream_ref) noexcept = default;
 
 private:
     cudaStream_t m_handle;
@@ -108,7 +77,7 @@ private:
 ///
 /// Move-only. Destruction synchronises the stream first, so work still in flight never outlives
 /// the handle it runs on. Using a moved-from stream throws `usage_error`.
-class stream {
+class stream : public detail::stream_ops<stream> {
 public:
     /// Creates a non-blocking stream on `dev` with `priority` (clamped by the driver to the
     /// device's range; see priority_high / priority_low).
@@ -171,26 +140,7 @@ public:
 #endif
     [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
 
-    /// @copydoc stream_ref::ready
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        return ref().ready(where);
-    }
-    /// @copydoc stream_ref::sync
-    void sync(std::source_location where = std::source_location::current()) const {
-        ref().sync(where);
-    }
-    /// @copydoc stream_ref::wait
-    void wait(cudaEvent_t event, std::source_location where = std::source_location::current()) const {
-        ref().wait(event, where);
-    }
-    /// @copydoc stream_ref::device
-    [[nodiscard]] int device(std::source_location where = std::source_location::current()) const {
-        return ref().device(where);
-    }
-    /// @copydoc stream_ref::priority
-    [[nodiscard]] int priority(std::source_location where = std::source_location::current()) const {
-        return ref().priority(where);
-    }
+    // is_done / ready / sync / wait / device / priority: detail::stream_ops, through get().
 
     /// Streams created through this class (or adopted) and not yet destroyed or released.
     [[nodiscard]] static long live_count() noexcept {
