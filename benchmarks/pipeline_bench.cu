@@ -14,10 +14,11 @@
 //                                           pipeline is built outside the timing
 //        BM_light/serial                    one stream: per chunk H2D, kernel, D2H,
 //                                           cudaStreamSynchronize (what a naive user writes)
-//        BM_light/raw_ring2, _ring3         hand-written pipeline: H2D / compute / D2H streams,
-//                                           a ring of 2 or 3 device slots, cudaStreamWaitEvent
-//                                           for slot reuse, all 64 chunks enqueued up front,
-//                                           then one synchronisation
+//        BM_light/raw_ring2, _ring3         hand-written pipeline (bench_raw_pipeline.hpp):
+//                                           H2D / compute / D2H streams, a ring of 2 or 3
+//                                           device slots, cudaStreamWaitEvent for slot reuse,
+//                                           all 64 chunks enqueued up front, then one
+//                                           synchronisation
 //        BM_light/bidirectional_bound       no kernel: the 4 GiB H2D and a 4 GiB D2H running
 //                                           at once on two streams, 64 MiB copies
 //      Summary ratios (the better library depth): library / bound (>= 0.98), library / the
@@ -60,17 +61,16 @@
 // targets. Without a CUDA device the program exits with 2; when a benchmark reported an error,
 // with 1.
 //
+// Every comparison is measured by bench::interleaved (bench_support.hpp) the first time one of its
+// benchmarks runs; each benchmark then replays its own variant's samples.
+//
 // Every coroutine here is a free function in namespace `bench` and takes its state through
 // parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
 // g++ raise -Wsubobject-linkage in nvcc's host pass. Pipeline stages are named function objects
 // for the same reason.
 
-#include "bench_support.hpp"
-
 #include <cudawait/cudawait.hpp>
 #include <cudawait/pipeline.hpp>
-
-#include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
@@ -78,15 +78,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <exception>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -94,6 +90,9 @@
 
 #include <cuda_runtime.h>
 
+#include "bench_raw_pipeline.hpp"
+#include "bench_support.hpp"
+#include <benchmark/benchmark.h>
 namespace bench {
 
 using cudawait::check;
@@ -156,7 +155,6 @@ constexpr const char* kHeavyVariants[] = {"library_depth3", "raw_ring3", "h2d_al
 constexpr const char* kHostVariants[] = {"pinned", "pageable"};
 
 enum class work { light, heavy };
-enum class stage_kind { h2d, kernel, d2h };
 
 // ---- results shared with the summary printed by main() ---------------------------------------
 
@@ -251,19 +249,10 @@ struct heavy_stage {
         launch_heavy(in.data(), out.data(), in.size(), k, s.get());
     }
 };
-
 // ---- helpers -----------------------------------------------------------------------------------
-
-double gbps(std::size_t bytes, double secs) { return static_cast<double>(bytes) / secs * 1e-9; }
 
 std::string chunk_key(bool graph, unsigned depth) {
     return std::string(graph ? "graph" : "plain") + "/d" + std::to_string(depth);
-}
-
-std::uint32_t bits(float f) {
-    std::uint32_t u = 0;
-    std::memcpy(&u, &f, sizeof u);
-    return u;
 }
 
 /// Runs fn(args..., begin, end) over [0, n) split across the hardware's threads.
@@ -311,35 +300,22 @@ void heavy_reference_range(const float* in, const std::size_t* at, float* ref, i
     }
 }
 
-/// The j-th element of a strided sample: one per stride, at a position within it that varies.
-std::size_t sample_index(std::size_t j, std::size_t stride) {
-    return j * stride + (j * 2654435761ULL) % stride;
-}
-
-/// Feeds measured per-run times (seconds) to Google Benchmark as manual iteration times.
-void replay(benchmark::State& state, const std::vector<double>& samples) {
-    std::size_t i = 0;
-    for (auto _ : state) {
-        state.SetIterationTime(samples[i % samples.size()]);
-        ++i;
-    }
-}
-
-/// Seconds per run of each variant of one comparison, measured interleaved.
-using runs_by_variant = std::map<std::string, std::vector<double>>;
-
 /// Interleaved measurements, keyed by comparison; filled by whichever of its benchmarks runs
 /// first. A failed measurement is not stored: the next benchmark tries again and reports its
 /// own error.
 std::map<std::string, runs_by_variant> g_measured;
 
-/// The samples of `variant`. @throws std::runtime_error when there are none
-std::vector<double> samples_of(const runs_by_variant& runs, const std::string& variant) {
-    auto it = runs.find(variant);
-    if (it == runs.end() || it->second.empty()) {
-        throw std::runtime_error("no runs of " + variant + " were measured");
-    }
-    return it->second;
+/// Replays `variant`'s samples of the comparison `key` (measured by `measure` if this is the
+/// comparison's first benchmark), `bytes` per run, and returns their median.
+template <class Measure>
+double replay_variant(benchmark::State& state, const std::string& key, Measure&& measure,
+                      const std::string& variant, std::size_t bytes) {
+    const std::vector<double>& mine = samples_of(measured_once(g_measured, key, measure), variant);
+    replay(state, mine);
+    state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+    const double secs = median(mine);
+    state.counters["GBps"] = gbps(bytes, secs);
+    return secs;
 }
 
 // ---- the workload: pinned input and output, host references ------------------------------------
@@ -392,92 +368,49 @@ workload& work_data() {
 
 // ---- checking ----------------------------------------------------------------------------------
 
-[[noreturn]] void mismatch(const std::string& what, std::size_t i, float expected, float got) {
-    std::fprintf(stderr,
-                 "pipeline_bench: FATAL: %s produced a wrong result at element %zu: expected %a "
-                 "(0x%08x), got %a (0x%08x)\n",
-                 what.c_str(), i, static_cast<double>(expected), bits(expected),
-                 static_cast<double>(got), bits(got));
-    std::fflush(stderr);
-    std::abort();
-}
-
-void compare_range(const float* ref, const float* out, std::size_t begin, std::size_t end,
-                   const std::string& what) {
-    if (std::memcmp(ref + begin, out + begin, (end - begin) * sizeof(float)) == 0) {
-        return;
-    }
-    for (std::size_t i = begin; i < end; ++i) {
-        if (bits(ref[i]) != bits(out[i])) {
-            mismatch(what, i, ref[i], out[i]);
-        }
-    }
-}
-
 /// The last chunk of a run of n elements in chunks of `chunk`: [n - tail, n).
 std::size_t tail_of(std::size_t n, std::size_t chunk) {
     return n % chunk == 0 ? std::min(chunk, n) : n % chunk;
 }
 
-/// Overwrites every element check_light looks at with a NaN no kernel here produces.
-void poison_light(float* out, std::size_t n, std::size_t chunk) {
-    std::memset(out, 0xff, std::min(chunk, n) * sizeof(float));
-    const std::size_t tail = tail_of(n, chunk);
-    std::memset(out + (n - tail), 0xff, tail * sizeof(float));
-    const std::size_t stride = std::max<std::size_t>(1, n / kSampleTarget);
-    for (std::size_t j = 0; j < n / stride; ++j) {
-        std::memset(out + sample_index(j, stride), 0xff, sizeof(float));
-    }
-}
-
-/// The first and last chunk in full, and a strided sample of about 1M elements; aborts on the
-/// first wrong value (a broken pipeline, not a slow one).
-void check_light(const float* out, std::size_t n, std::size_t chunk, const std::string& what) {
-    const float* ref = work_data().light_ref.data();
-    compare_range(ref, out, 0, std::min(chunk, n), what);
-    compare_range(ref, out, n - tail_of(n, chunk), n, what);
+/// Calls f(begin, end) for every range a light run is checked at: the first and last chunk in
+/// full, and a strided sample of about 1M single elements.
+template <class F>
+void for_light_checks(std::size_t n, std::size_t chunk, F&& f) {
+    f(std::size_t{0}, std::min(chunk, n));
+    f(n - tail_of(n, chunk), n);
     const std::size_t stride = std::max<std::size_t>(1, n / kSampleTarget);
     for (std::size_t j = 0; j < n / stride; ++j) {
         const std::size_t i = sample_index(j, stride);
-        if (bits(ref[i]) != bits(out[i])) {
-            mismatch(what, i, ref[i], out[i]);
-        }
-    }
-    ++g_checked_runs;
-}
-
-void poison_heavy(float* out) {
-    for (std::size_t i : work_data().heavy_at) {
-        std::memset(out + i, 0xff, sizeof(float));
+        f(i, i + 1);
     }
 }
 
-void check_heavy(const float* out, const std::string& what) {
-    const workload& w = work_data();
-    for (std::size_t j = 0; j < w.heavy_at.size(); ++j) {
-        const std::size_t i = w.heavy_at[j];
-        if (bits(w.heavy_ref[j]) != bits(out[i])) {
-            mismatch(what, i, w.heavy_ref[j], out[i]);
-        }
-    }
-    ++g_checked_runs;
-}
-
+/// Overwrites every element the check after the run looks at (bench::poison).
 void poison(work w, float* out, std::size_t n, std::size_t chunk) {
     if (w == work::light) {
-        poison_light(out, n, chunk);
+        for_light_checks(n, chunk, [&](std::size_t b, std::size_t e) { poison(out, b, e); });
     } else {
-        poison_heavy(out);
+        for (std::size_t i : work_data().heavy_at) {
+            poison(out, i, i + 1);
+        }
     }
 }
 
+/// Compares those elements with the host reference; the first wrong one ends the program.
 void check_output(work w, const float* out, std::size_t n, std::size_t chunk,
                   const std::string& what) {
+    const workload& wd = work_data();
     if (w == work::light) {
-        check_light(out, n, chunk, what);
+        const float* ref = wd.light_ref.data();
+        for_light_checks(n, chunk,
+                         [&](std::size_t b, std::size_t e) { expect_range(ref, out, b, e, what); });
     } else {
-        check_heavy(out, what);
+        for (std::size_t j = 0; j < wd.heavy_at.size(); ++j) {
+            expect_at(out, wd.heavy_at[j], wd.heavy_ref[j], what);
+        }
     }
+    ++g_checked_runs;
 }
 
 // ---- the library --------------------------------------------------------------------------------
@@ -525,299 +458,117 @@ double checked_library_run(work w, cudawait::scheduler& sched, float_pipeline& p
 
 // ---- the hand-written variants ------------------------------------------------------------------
 
-/// Streams, device slots and events of the hand-written variants, created once.
-struct hand_written {
-    // Streams first: the buffers are freed on h2d, which must still exist then.
-    cudawait::stream h2d;
-    cudawait::stream compute;
-    cudawait::stream d2h;
-    cudawait::stream serial;
-    std::vector<cudawait::device_buffer<float>> din;
-    std::vector<cudawait::device_buffer<float>> dout;
-    std::vector<cudawait::event> h2d_done;
-    std::vector<cudawait::event> compute_done;
-    std::vector<cudawait::event> d2h_done;
+/// The kernel of `w` as the hand-written variants launch it.
+struct work_kernel {
+    work w;
+    void operator()(const float* in, float* out, std::size_t n, cudaStream_t s) const {
+        launch_work(w, in, out, n, s);
+    }
+};
 
-    /// The priorities the pipeline gives its streams: compute highest, copies lowest.
-    hand_written(std::size_t chunk, unsigned slots)
-        : h2d(cudawait::device_ref(0), cudawait::priority_low(cudawait::device_ref(0))),
-          compute(cudawait::device_ref(0), cudawait::priority_high(cudawait::device_ref(0))),
-          d2h(cudawait::device_ref(0), cudawait::priority_low(cudawait::device_ref(0))),
-          serial(cudawait::device_ref(0), 0) {
-        for (unsigned i = 0; i < slots; ++i) {
-            din.emplace_back(chunk, h2d);
-            dout.emplace_back(chunk, h2d);
-            h2d_done.emplace_back(cudawait::device_ref(0));
-            compute_done.emplace_back(cudawait::device_ref(0));
-            d2h_done.emplace_back(cudawait::device_ref(0));
-        }
-        h2d.sync(); // the stream-ordered allocations are usable from every stream
-    }
-    hand_written(const hand_written&) = delete;
-    hand_written& operator=(const hand_written&) = delete;
-    /// A run that threw may have left work on compute or d2h that uses the buffers, which are
-    /// freed in h2d's order only: everything finishes first.
-    ~hand_written() {
-        try {
-            sync_all();
-        } catch (const std::exception& e) {
-            std::fprintf(stderr, "pipeline_bench: %s\n", e.what());
-        }
-    }
+/// The hand-written variants' resources (bench_raw_pipeline.hpp), created once per comparison:
+/// the ring with kSlots slots, and a stream of default priority for the serial variant.
+struct hand_written {
+    raw_pipeline ring{kChunk, kSlots};
+    cudawait::stream serial{cudawait::device_ref(0), 0}; // destroyed (synchronised) first
 
     void sync_all() const {
-        h2d.sync();
-        compute.sync();
-        d2h.sync();
+        ring.sync_all();
         serial.sync();
     }
 };
 
-/// Per chunk: H2D, kernel, D2H, cudaStreamSynchronize, all on one stream.
-double time_serial(hand_written& hw, work w, const float* in, float* out, std::size_t n,
-                   std::size_t chunk) {
-    const cudaStream_t s = hw.serial.get();
-    float* din = hw.din[0].data();
-    float* dout = hw.dout[0].data();
-    const auto t0 = steady::now();
-    for (std::size_t off = 0; off < n; off += chunk) {
-        const std::size_t len = std::min(chunk, n - off);
-        check(cudaMemcpyAsync(din, in + off, len * sizeof(float), cudaMemcpyHostToDevice, s),
-              "cudaMemcpyAsync");
-        launch_work(w, din, dout, len, s);
-        check(cudaMemcpyAsync(out + off, dout, len * sizeof(float), cudaMemcpyDeviceToHost, s),
-              "cudaMemcpyAsync");
-        check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    }
-    return seconds(steady::now() - t0);
-}
-
-/// One chunk of the hand-written pipeline on slot `slot`. With `reuse` (the slot held an
-/// earlier chunk) the GPU waits for that chunk: its kernel read din before H2D overwrites it,
-/// its D2H read dout before the kernel overwrites it.
-void enqueue_raw_chunk(hand_written& hw, work w, unsigned slot, bool reuse, const float* src,
-                       float* dst, std::size_t len) {
-    float* din = hw.din[slot].data();
-    float* dout = hw.dout[slot].data();
-    if (reuse) {
-        hw.h2d.wait(hw.compute_done[slot].get());
-    }
-    check(cudaMemcpyAsync(din, src, len * sizeof(float), cudaMemcpyHostToDevice, hw.h2d.get()),
-          "cudaMemcpyAsync");
-    hw.h2d_done[slot].record(hw.h2d);
-    hw.compute.wait(hw.h2d_done[slot].get());
-    if (reuse) {
-        hw.compute.wait(hw.d2h_done[slot].get());
-    }
-    launch_work(w, din, dout, len, hw.compute.get());
-    hw.compute_done[slot].record(hw.compute);
-    hw.d2h.wait(hw.compute_done[slot].get());
-    check(cudaMemcpyAsync(dst, dout, len * sizeof(float), cudaMemcpyDeviceToHost, hw.d2h.get()),
-          "cudaMemcpyAsync");
-    hw.d2h_done[slot].record(hw.d2h);
-}
-
-/// Every chunk enqueued up front on a ring of `ring` slots; the host blocks only at the end.
-double time_raw(hand_written& hw, work w, unsigned ring, const float* in, float* out, std::size_t n,
-                std::size_t chunk) {
-    const auto t0 = steady::now();
-    std::size_t c = 0;
-    for (std::size_t off = 0; off < n; off += chunk, ++c) {
-        enqueue_raw_chunk(hw, w, static_cast<unsigned>(c % ring), c >= ring, in + off, out + off,
-                          std::min(chunk, n - off));
-    }
-    hw.d2h.sync(); // the last D2H follows every other operation
-    hw.h2d.sync();
-    hw.compute.sync();
-    return seconds(steady::now() - t0);
-}
-
-/// No kernel: n elements H2D and n elements D2H at once, on two streams, `chunk` per copy.
-double time_bidirectional(hand_written& hw, const float* in, float* out, std::size_t n,
-                          std::size_t chunk) {
-    float* din = hw.din[0].data();
-    const float* dout = hw.dout[0].data();
-    const auto t0 = steady::now();
-    for (std::size_t off = 0; off < n; off += chunk) {
-        const std::size_t bytes = std::min(chunk, n - off) * sizeof(float);
-        check(cudaMemcpyAsync(din, in + off, bytes, cudaMemcpyHostToDevice, hw.h2d.get()),
-              "cudaMemcpyAsync");
-        check(cudaMemcpyAsync(out + off, dout, bytes, cudaMemcpyDeviceToHost, hw.d2h.get()),
-              "cudaMemcpyAsync");
-    }
-    hw.h2d.sync();
-    hw.d2h.sync();
-    return seconds(steady::now() - t0);
-}
-
-/// One stage of every chunk, alone, on one stream (the slots rotate as in the pipelines).
-double time_stage_alone(hand_written& hw, stage_kind k, work w, const float* in, float* out,
-                        std::size_t n, std::size_t chunk) {
-    const cudawait::stream& s = k == stage_kind::h2d      ? hw.h2d
-                                : k == stage_kind::kernel ? hw.compute
-                                                          : hw.d2h;
-    const auto t0 = steady::now();
-    std::size_t c = 0;
-    for (std::size_t off = 0; off < n; off += chunk, ++c) {
-        const std::size_t len = std::min(chunk, n - off);
-        float* din = hw.din[c % hw.din.size()].data();
-        float* dout = hw.dout[c % hw.dout.size()].data();
-        switch (k) {
-        case stage_kind::h2d:
-            check(cudaMemcpyAsync(din, in + off, len * sizeof(float), cudaMemcpyHostToDevice,
-                                  s.get()),
-                  "cudaMemcpyAsync");
-            break;
-        case stage_kind::kernel:
-            launch_work(w, din, dout, len, s.get());
-            break;
-        case stage_kind::d2h:
-            check(cudaMemcpyAsync(out + off, dout, len * sizeof(float), cudaMemcpyDeviceToHost,
-                                  s.get()),
-                  "cudaMemcpyAsync");
-            break;
+/// A hand-written run over the first n elements (ring 0: the serial variant), poisoned before
+/// and checked after (outside the timing).
+double checked_hand_run(hand_written& hw, work w, unsigned ring, const float* in, float* out,
+                        std::size_t n, const std::string& what) {
+    poison(w, out, n, kChunk);
+    const double secs = time_host([&] {
+        if (ring == 0) {
+            run_serial(hw.ring, hw.serial.get(), in, out, n, work_kernel{w});
+        } else {
+            hw.ring.run(in, out, n, ring, work_kernel{w});
         }
-    }
-    s.sync();
-    return seconds(steady::now() - t0);
-}
-
-/// A hand-written run over the first n elements, poisoned before and checked after.
-double checked_hand_run(hand_written& hw, work w, int ring, const float* in, float* out,
-                        std::size_t n, std::size_t chunk, const std::string& what) {
-    poison(w, out, n, chunk);
-    const double secs = ring == 0 ? time_serial(hw, w, in, out, n, chunk)
-                                  : time_raw(hw, w, static_cast<unsigned>(ring), in, out, n, chunk);
-    check_output(w, out, n, chunk, what);
+    });
+    check_output(w, out, n, kChunk, what);
     return secs;
 }
 
 // ---- 1. light kernel: library, serial, hand-written, bound -------------------------------------
 
-/// Everything the light comparison runs on.
-struct light_setup {
-    workload* w;
-    cudawait::scheduler* sched;
-    hand_written* hw;
-    float_pipeline* library[2]; ///< depth 2, depth 3
-};
-
-double run_light_variant(light_setup& b, std::size_t v) {
-    const std::string what = std::string("light/") + kLightVariants[v];
-    const float* in = b.w->in.data();
-    float* out = b.w->out.data();
-    switch (v) {
-    case 0:
-    case 1:
-        return checked_library_run(work::light, *b.sched, *b.library[v], in, out, kTotal, what);
-    case 2:
-        return checked_hand_run(*b.hw, work::light, 0, in, out, kTotal, kChunk, what);
-    case 3:
-    case 4:
-        return checked_hand_run(*b.hw, work::light, static_cast<int>(kRawRings[v - 3]), in, out,
-                                kTotal, kChunk, what);
-    default:
-        return time_bidirectional(*b.hw, in, out, kTotal, kChunk);
-    }
-}
-
 runs_by_variant measure_light() {
     workload& w = work_data();
     cudawait::scheduler sched; // declared first: outlives the pipelines
-    hand_written hw(kChunk, kSlots);
-    const std::unique_ptr<float_pipeline> d2 =
-        make_pipeline(work::light, kLibraryDepths[0], kChunk, false, false);
-    const std::unique_ptr<float_pipeline> d3 =
-        make_pipeline(work::light, kLibraryDepths[1], kChunk, false, false);
-    light_setup b{&w, &sched, &hw, {d2.get(), d3.get()}};
-    constexpr std::size_t variants = std::size(kLightVariants);
-    for (std::size_t v = 0; v < variants; ++v) { // warm-up, checked like every run
-        (void)run_light_variant(b, v);
-    }
-    runs_by_variant runs;
-    for (std::int64_t round = 0; round < kRounds; ++round) {
-        for (std::size_t j = 0; j < variants; ++j) {
-            const std::size_t v = (static_cast<std::size_t>(round) + j) % variants;
-            runs[kLightVariants[v]].push_back(run_light_variant(b, v));
+    hand_written hw;
+    const std::unique_ptr<float_pipeline> library[] = {
+        make_pipeline(work::light, kLibraryDepths[0], kChunk, false, false),
+        make_pipeline(work::light, kLibraryDepths[1], kChunk, false, false)};
+    const float* in = w.in.data();
+    float* out = w.out.data();
+    // The warm-up runs are checked like every run.
+    runs_by_variant runs = interleaved(kRounds, kLightVariants, [&](std::size_t v) {
+        const std::string what = std::string("light/") + kLightVariants[v];
+        switch (v) {
+        case 0:
+        case 1:
+            return checked_library_run(work::light, sched, *library[v], in, out, kTotal, what);
+        case 2:
+            return checked_hand_run(hw, work::light, 0, in, out, kTotal, what);
+        case 3:
+        case 4:
+            return checked_hand_run(hw, work::light, kRawRings[v - 3], in, out, kTotal, what);
+        default:
+            return time_host([&] { copy_both_ways(hw.ring, in, out, kTotal); });
         }
-    }
+    });
     hw.sync_all();
     return runs;
 }
 
 void BM_light(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once(g_measured, "light", measure_light);
-        const std::vector<double> mine = samples_of(runs, variant);
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
-        const double rate = gbps(kTotalBytes, median(mine));
-        state.counters["GBps"] = rate;
-        g_light_gbps[variant] = rate;
+        const double secs = replay_variant(state, "light", measure_light, variant, kTotalBytes);
+        g_light_gbps[variant] = gbps(kTotalBytes, secs);
     });
 }
 
 // ---- 2. heavy kernel: library against the max-stage bound ---------------------------------------
 
-struct heavy_setup {
-    workload* w;
-    cudawait::scheduler* sched;
-    hand_written* hw;
-    float_pipeline* library;
-};
-
-double run_heavy_variant(heavy_setup& b, std::size_t v) {
-    const std::string what = std::string("heavy/") + kHeavyVariants[v];
-    const float* in = b.w->in.data();
-    float* out = b.w->out.data();
-    switch (v) {
-    case 0:
-        return checked_library_run(work::heavy, *b.sched, *b.library, in, out, kTotal, what);
-    case 1:
-        return checked_hand_run(*b.hw, work::heavy, 3, in, out, kTotal, kChunk, what);
-    case 2:
-        return time_stage_alone(*b.hw, stage_kind::h2d, work::heavy, in, out, kTotal, kChunk);
-    case 3:
-        return time_stage_alone(*b.hw, stage_kind::kernel, work::heavy, in, out, kTotal, kChunk);
-    case 4:
-        return time_stage_alone(*b.hw, stage_kind::d2h, work::heavy, in, out, kTotal, kChunk);
-    default:
-        return time_bidirectional(*b.hw, in, out, kTotal, kChunk);
-    }
-}
-
 runs_by_variant measure_heavy() {
     workload& w = work_data();
     cudawait::scheduler sched;
-    hand_written hw(kChunk, kSlots);
-    const std::unique_ptr<float_pipeline> lib =
+    hand_written hw;
+    const std::unique_ptr<float_pipeline> library =
         make_pipeline(work::heavy, kHeavyDepth, kChunk, false, false);
-    heavy_setup b{&w, &sched, &hw, lib.get()};
-    constexpr std::size_t variants = std::size(kHeavyVariants);
-    for (std::size_t v = 0; v < variants; ++v) { // warm-up; the raw run fills the device slots
-        (void)run_heavy_variant(b, v);
-    }
-    runs_by_variant runs;
-    for (std::int64_t round = 0; round < kRounds; ++round) {
-        for (std::size_t j = 0; j < variants; ++j) {
-            const std::size_t v = (static_cast<std::size_t>(round) + j) % variants;
-            runs[kHeavyVariants[v]].push_back(run_heavy_variant(b, v));
+    const float* in = w.in.data();
+    float* out = w.out.data();
+    // In the warm-up, the raw run fills the device slots.
+    runs_by_variant runs = interleaved(kRounds, kHeavyVariants, [&](std::size_t v) {
+        const std::string what = std::string("heavy/") + kHeavyVariants[v];
+        switch (v) {
+        case 0:
+            return checked_library_run(work::heavy, sched, *library, in, out, kTotal, what);
+        case 1:
+            return checked_hand_run(hw, work::heavy, 3, in, out, kTotal, what);
+        case 2:
+        case 3:
+        case 4:
+            return time_host([&] {
+                const stage st = v == 2 ? stage::h2d : v == 3 ? stage::kernel : stage::d2h;
+                run_one_stage(hw.ring, st, in, out, kTotal, work_kernel{work::heavy});
+            });
+        default:
+            return time_host([&] { copy_both_ways(hw.ring, in, out, kTotal); });
         }
-    }
+    });
     hw.sync_all();
     return runs;
 }
 
 void BM_heavy(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once(g_measured, "heavy", measure_heavy);
-        const std::vector<double> mine = samples_of(runs, variant);
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
-        const double secs = median(mine);
-        state.counters["GBps"] = gbps(kTotalBytes, secs);
+        g_heavy_s[variant] = replay_variant(state, "heavy", measure_heavy, variant, kTotalBytes);
         state.counters["heavy_K"] = g_cal.k;
-        g_heavy_s[variant] = secs;
     });
 }
 
@@ -825,62 +576,42 @@ void BM_heavy(benchmark::State& state, std::string variant) {
 
 /// Every depth of kSweepDepths, graph off and on, over the case's prefix of the workload. The
 /// two pipelines of one depth exist together; their runs alternate, the order swapping every
-/// round.
+/// round. The graph pipeline records its graphs in the warm-up.
 runs_by_variant measure_chunk_case(chunk_case c) {
     workload& w = work_data();
     cudawait::scheduler sched;
     const std::size_t n = c.total / sizeof(float);
     const std::size_t chunk = c.bytes / sizeof(float);
-    const float* in = w.in.data();
-    float* out = w.out.data();
     runs_by_variant runs;
     for (unsigned depth : kSweepDepths) {
-        const std::unique_ptr<float_pipeline> plain =
-            make_pipeline(work::light, depth, chunk, false, false);
-        const std::unique_ptr<float_pipeline> graph =
-            make_pipeline(work::light, depth, chunk, true, false);
-        const std::string kp = chunk_key(false, depth);
-        const std::string kg = chunk_key(true, depth);
-        const std::string what = "chunk/" + size_name(c.bytes) + "/";
-        // Warm-up: the graph pipeline records its graphs here.
-        (void)checked_library_run(work::light, sched, *plain, in, out, n, what + kp);
-        (void)checked_library_run(work::light, sched, *graph, in, out, n, what + kg);
-        for (std::int64_t r = 0; r < kRounds; ++r) {
-            if (r % 2 == 0) {
-                runs[kp].push_back(
-                    checked_library_run(work::light, sched, *plain, in, out, n, what + kp));
-                runs[kg].push_back(
-                    checked_library_run(work::light, sched, *graph, in, out, n, what + kg));
-            } else {
-                runs[kg].push_back(
-                    checked_library_run(work::light, sched, *graph, in, out, n, what + kg));
-                runs[kp].push_back(
-                    checked_library_run(work::light, sched, *plain, in, out, n, what + kp));
-            }
-        }
+        const std::unique_ptr<float_pipeline> pipes[] = {
+            make_pipeline(work::light, depth, chunk, false, false),
+            make_pipeline(work::light, depth, chunk, true, false)};
+        const std::string keys[] = {chunk_key(false, depth), chunk_key(true, depth)};
+        runs.merge(interleaved(kRounds, keys, [&](std::size_t v) {
+            return checked_library_run(work::light, sched, *pipes[v], w.in.data(), w.out.data(), n,
+                                       "chunk/" + size_name(c.bytes) + "/" + keys[v]);
+        }));
     }
     return runs;
 }
 
 void BM_chunk(benchmark::State& state, chunk_case c, bool graph) {
     guarded(state, [&] {
-        const runs_by_variant runs =
-            measured_once(g_measured, "chunk/" + size_name(c.bytes),
-                          [&] { return measure_chunk_case(c); });
-        const std::vector<double> mine = samples_of(runs, chunk_key(graph, c.depth));
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(c.total));
+        const std::string key = "chunk/" + size_name(c.bytes);
+        const auto measure = [&] { return measure_chunk_case(c); };
+        (void)replay_variant(state, key, measure, chunk_key(graph, c.depth), c.total);
         double best = 0;
         unsigned best_depth = 0;
         for (unsigned depth : kSweepDepths) {
-            const double rate = gbps(c.total, median(samples_of(runs, chunk_key(graph, depth))));
+            const double rate =
+                gbps(c.total, median(samples_of(g_measured.at(key), chunk_key(graph, depth))));
             g_chunk_gbps[size_name(c.bytes) + "/" + chunk_key(graph, depth)] = rate;
             if (rate > best) {
                 best = rate;
                 best_depth = depth;
             }
         }
-        state.counters["GBps"] = gbps(c.total, median(mine));
         state.counters["best_GBps"] = best;
         state.counters["best_depth"] = best_depth;
     });
@@ -898,31 +629,18 @@ runs_by_variant measure_host_memory() {
     std::vector<float> pageable_out(kTotal);
     const float* ins[] = {w.in.data(), pageable_in.data()};
     float* outs[] = {w.out.data(), pageable_out.data()};
-    for (std::size_t v = 0; v < 2; ++v) { // warm-up: staging buffers, memcpy threads
-        (void)checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
-                                  std::string("host_memory/") + kHostVariants[v]);
-    }
-    runs_by_variant runs;
-    for (std::int64_t r = 0; r < kRounds; ++r) {
-        for (std::size_t j = 0; j < 2; ++j) {
-            const std::size_t v = (static_cast<std::size_t>(r) + j) % 2;
-            runs[kHostVariants[v]].push_back(
-                checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
-                                    std::string("host_memory/") + kHostVariants[v]));
-        }
-    }
-    return runs;
+    // The warm-up creates the staging buffers and the memcpy threads.
+    return interleaved(kRounds, kHostVariants, [&](std::size_t v) {
+        return checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
+                                   std::string("host_memory/") + kHostVariants[v]);
+    });
 }
 
 void BM_host_memory(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once(g_measured, "host_memory", measure_host_memory);
-        const std::vector<double> mine = samples_of(runs, variant);
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
-        const double rate = gbps(kTotalBytes, median(mine));
-        state.counters["GBps"] = rate;
-        g_host_gbps[variant] = rate;
+        const double secs =
+            replay_variant(state, "host_memory", measure_host_memory, variant, kTotalBytes);
+        g_host_gbps[variant] = gbps(kTotalBytes, secs);
     });
 }
 
@@ -1043,65 +761,39 @@ void calibrate_heavy() {
     benchmark::AddCustomContext("heavy_K", std::to_string(c.k));
 }
 
+/// Registers a benchmark that reports manual times in milliseconds.
+template <class... Args>
+void register_manual(const std::string& name, std::int64_t iterations, Args&&... args) {
+    benchmark::RegisterBenchmark(name.c_str(), std::forward<Args>(args)...)
+        ->UseManualTime()
+        ->Iterations(iterations)
+        ->Unit(benchmark::kMillisecond);
+}
+
 void register_benchmarks() {
-    using benchmark::RegisterBenchmark;
     // 1. and 2. Each iteration is one 4 GiB run (measured, for all variants at once, by the
     // first benchmark of the group).
     for (const char* v : kLightVariants) {
-        RegisterBenchmark((std::string("BM_light/") + v).c_str(), &BM_light, std::string(v))
-            ->UseManualTime()
-            ->Iterations(kRounds)
-            ->Unit(benchmark::kMillisecond);
+        register_manual(std::string("BM_light/") + v, kRounds, &BM_light, std::string(v));
     }
     for (const char* v : kHeavyVariants) {
-        RegisterBenchmark((std::string("BM_heavy/") + v).c_str(), &BM_heavy, std::string(v))
-            ->UseManualTime()
-            ->Iterations(kRounds)
-            ->Unit(benchmark::kMillisecond);
+        register_manual(std::string("BM_heavy/") + v, kRounds, &BM_heavy, std::string(v));
     }
     // 3. Each iteration is one run at the case's specified depth.
     for (const chunk_case& c : kChunkCases) {
         for (bool graph : {false, true}) {
-            const std::string name =
-                "BM_chunk/" + size_name(c.bytes) + (graph ? "/graph" : "/plain");
-            RegisterBenchmark(name.c_str(), &BM_chunk, c, graph)
-                ->UseManualTime()
-                ->Iterations(kRounds)
-                ->Unit(benchmark::kMillisecond);
+            register_manual("BM_chunk/" + size_name(c.bytes) + (graph ? "/graph" : "/plain"),
+                            kRounds, &BM_chunk, c, graph);
         }
     }
     // 4. Each iteration is one 4 GiB run.
     for (const char* v : kHostVariants) {
-        RegisterBenchmark((std::string("BM_host_memory/") + v).c_str(), &BM_host_memory,
-                          std::string(v))
-            ->UseManualTime()
-            ->Iterations(kRounds)
-            ->Unit(benchmark::kMillisecond);
+        register_manual(std::string("BM_host_memory/") + v, kRounds, &BM_host_memory,
+                        std::string(v));
     }
     // 5. One iteration: the timed run.
-    for (auto [name, wk] : {std::pair{"BM_stats_timing/light", work::light},
-                            std::pair{"BM_stats_timing/heavy", work::heavy}}) {
-        RegisterBenchmark(name, &BM_stats_timing, wk)
-            ->UseManualTime()
-            ->Iterations(1)
-            ->Unit(benchmark::kMillisecond);
-    }
-}
-
-/// "  <label> <ratio>   target >= <t>: ok|MISSED", or "-" when either side is missing.
-void print_ratio(const char* label, std::optional<double> num, std::optional<double> den,
-                 std::optional<double> target) {
-    std::printf("  %-52s", label);
-    if (!num || !den || *den <= 0.0) {
-        std::printf(" %7s\n", "-");
-        return;
-    }
-    const double r = *num / *den;
-    if (target) {
-        std::printf(" %7.3f   target >= %.2f: %s\n", r, *target, verdict(r >= *target));
-    } else {
-        std::printf(" %7.3f\n", r);
-    }
+    register_manual("BM_stats_timing/light", 1, &BM_stats_timing, work::light);
+    register_manual("BM_stats_timing/heavy", 1, &BM_stats_timing, work::heavy);
 }
 
 void print_calibration() {
@@ -1117,18 +809,18 @@ void print_calibration() {
                 g_cal.heavy_ms, g_cal.heavy_ms / g_cal.h2d_ms);
 }
 
-/// The better of the two depths (GB/s and the variant's name).
-std::optional<std::pair<double, std::string>> best_of(const std::map<std::string, double>& m,
-                                                      const char* a, const char* b) {
-    const auto va = find(m, a);
-    const auto vb = find(m, b);
-    if (!va && !vb) {
-        return std::nullopt;
-    }
+/// The better of two variants: its GB/s and name, or no GB/s and `none` when neither was measured.
+struct best_variant {
+    std::optional<double> gbps;
+    std::string name;
+};
+best_variant best_of(const char* a, const char* b, const char* none) {
+    const auto va = find(g_light_gbps, a);
+    const auto vb = find(g_light_gbps, b);
     if (va && (!vb || *va >= *vb)) {
-        return std::pair{*va, std::string(a)};
+        return {va, a};
     }
-    return std::pair{*vb, std::string(b)};
+    return vb ? best_variant{vb, b} : best_variant{std::nullopt, none};
 }
 
 void print_light_summary() {
@@ -1140,39 +832,25 @@ void print_light_summary() {
                 static_cast<long long>(kRounds));
     for (const char* v : kLightVariants) {
         const auto rate = find(g_light_gbps, v);
-        std::printf("  %-22s", v);
-        print_cell(rate, 8, 2);
-        std::printf(" GB/s");
-        print_cell(rate ? std::optional<double>(static_cast<double>(kTotalBytes) / *rate * 1e-6)
-                        : std::nullopt,
-                   9, 1);
-        std::printf(" ms\n");
+        const auto ms = map_value(rate, [](double r) { return kTotalBytes / r * 1e-6; });
+        print_row(v, 22, {{rate, 8, 2, " GB/s"}, {ms, 9, 1, " ms"}});
     }
     const auto bound = find(g_light_gbps, "bidirectional_bound");
     const auto serial = find(g_light_gbps, "serial");
-    const auto raw = best_of(g_light_gbps, "raw_ring2", "raw_ring3");
-    const std::optional<double> raw_rate = raw ? std::optional<double>(raw->first) : std::nullopt;
+    const best_variant raw = best_of("raw_ring2", "raw_ring3", "raw");
     std::printf("  ratios per depth (for information): %-16s %10s %10s\n", "/ bound", "/ raw best",
                 "/ serial");
     for (const char* v : {"library_depth2", "library_depth3"}) {
         const auto lib = find(g_light_gbps, v);
-        std::printf("    %-34s", v);
-        for (std::optional<double> den : {bound, raw_rate, serial}) {
-            if (lib && den && *den > 0.0) {
-                std::printf(" %10.3f", *lib / *den);
-            } else {
-                std::printf(" %10s", "-");
-            }
-        }
-        std::printf("\n");
+        print_row(std::string("  ") + v, 36,
+                  {{ratio_of(lib, bound), 10, 3},
+                   {ratio_of(lib, raw.gbps), 10, 3},
+                   {ratio_of(lib, serial), 10, 3}});
     }
-    const auto lib = best_of(g_light_gbps, "library_depth2", "library_depth3");
-    const std::optional<double> lib_rate = lib ? std::optional<double>(lib->first) : std::nullopt;
-    const std::string lib_name = lib ? lib->second : std::string("library");
-    const std::string raw_name = raw ? raw->second : std::string("raw");
-    print_ratio((lib_name + " / bidirectional_bound").c_str(), lib_rate, bound, kBoundTarget);
-    print_ratio((lib_name + " / " + raw_name).c_str(), lib_rate, raw_rate, kRawTarget);
-    print_ratio((lib_name + " / serial").c_str(), lib_rate, serial, kSerialTarget);
+    const best_variant lib = best_of("library_depth2", "library_depth3", "library");
+    print_ratio(lib.name + " / bidirectional_bound", lib.gbps, bound, kBoundTarget);
+    print_ratio(lib.name + " / " + raw.name, lib.gbps, raw.gbps, kRawTarget);
+    print_ratio(lib.name + " / serial", lib.gbps, serial, kSerialTarget);
 }
 
 void print_heavy_summary() {
@@ -1184,11 +862,9 @@ void print_heavy_summary() {
                 g_cal.k, kHeavyDepth, static_cast<long long>(kRounds));
     for (const char* v : kHeavyVariants) {
         const auto s = find(g_heavy_s, v);
-        std::printf("  %-22s", v);
-        print_cell(s ? std::optional<double>(*s * 1e3) : std::nullopt, 9, 1);
-        std::printf(" ms");
-        print_cell(s ? std::optional<double>(gbps(kTotalBytes, *s)) : std::nullopt, 8, 2);
-        std::printf(" GB/s\n");
+        print_row(v, 22,
+                  {{map_value(s, [](double x) { return x * 1e3; }), 9, 1, " ms"},
+                   {map_value(s, [](double x) { return gbps(kTotalBytes, x); }), 8, 2, " GB/s"}});
     }
     const auto lib = find(g_heavy_s, "library_depth3");
     const auto h2d = find(g_heavy_s, "h2d_alone");
@@ -1281,9 +957,7 @@ void print_chunk_summary() {
                     c.depth);
         print_cell(spec.plain, 9, 2);
         print_cell(spec.graph, 9, 2);
-        print_cell(spec.best && ref_specified ? std::optional<double>(*spec.best / *ref_specified)
-                                              : std::nullopt,
-                   9, 3);
+        print_cell(ratio_of(spec.best, ref_specified), 9, 3);
         std::printf(" |");
         for (auto [v, d] :
              {std::pair{best.plain, best.plain_depth}, std::pair{best.graph, best.graph_depth}}) {
@@ -1293,9 +967,7 @@ void print_chunk_summary() {
                 std::printf(" %14s", "-");
             }
         }
-        print_cell(best.best && ref_best ? std::optional<double>(*best.best / *ref_best)
-                                         : std::nullopt,
-                   9, 3);
+        print_cell(ratio_of(best.best, ref_best), 9, 3);
         std::printf("\n");
     }
     print_ratio("1 MiB / 64 MiB, better of plain and graph, specified depths", target_specified,
@@ -1312,9 +984,7 @@ void print_host_memory_summary() {
                 "of %lld interleaved runs)\n",
                 kHostMemoryDepth, static_cast<long long>(kRounds));
     for (const char* v : kHostVariants) {
-        std::printf("  %-22s", v);
-        print_cell(find(g_host_gbps, v), 8, 2);
-        std::printf(" GB/s\n");
+        print_row(v, 22, {{find(g_host_gbps, v), 8, 2, " GB/s"}});
     }
     print_ratio("pageable / pinned (for information)", find(g_host_gbps, "pageable"),
                 find(g_host_gbps, "pinned"), std::nullopt);
