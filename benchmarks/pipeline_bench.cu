@@ -3,7 +3,8 @@
 // pipeline_bench: what cudawait::pipeline<float> achieves on H2D -> kernel -> D2H work, against
 // the limits of the PCIe/C2C link and against the same work written by hand.
 //
-// Two kernels, both float -> float maps over the chunk, grid-stride:
+// Two kernels (bench_pipeline_work.hpp, with the input, the references and the checks), both
+// float -> float maps over the chunk, grid-stride:
 //   light   out[i] = fma(in[i], a, b): memory-bound, negligible next to the chunk's transfer
 //   heavy   K dependent FMAs per element, K calibrated at startup (cudaEvent timing) so that the
 //           kernel on one 64 MiB chunk takes as long as one 64 MiB pinned H2D copy
@@ -61,8 +62,9 @@
 // targets. Without a CUDA device the program exits with 2; when a benchmark reported an error,
 // with 1.
 //
-// Every comparison is measured by bench::interleaved (bench_support.hpp) the first time one of its
-// benchmarks runs; each benchmark then replays its own variant's samples.
+// Every comparison is measured by bench::interleaved (bench_support.hpp) the first time one of
+// its benchmarks runs; each benchmark then replays its own variant's samples. The hand-written
+// variants are in bench_raw_pipeline.hpp.
 //
 // Every coroutine here is a free function in namespace `bench` and takes its state through
 // parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
@@ -73,23 +75,20 @@
 #include <cudawait/pipeline.hpp>
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
 
+#include "bench_pipeline_work.hpp"
 #include "bench_raw_pipeline.hpp"
 #include "bench_support.hpp"
 #include <benchmark/benchmark.h>
@@ -106,19 +105,6 @@ constexpr std::size_t kTotal = kTotalBytes / sizeof(float);
 constexpr std::size_t kChunkBytes = 64_MiB; ///< chunk of 1, 2, 4 and 5
 constexpr std::size_t kChunk = kChunkBytes / sizeof(float);
 constexpr std::int64_t kRounds = 5; ///< timed runs of every variant
-
-constexpr float kLightA = 1.5f;
-constexpr float kLightB = 0.25f;
-constexpr float kHeavyA = 0.999f; ///< v -> a v + b converges to 1: no overflow, no denormals
-constexpr float kHeavyB = 0.001f;
-constexpr int kCalibrationK = 256;  ///< FMAs per element of the first calibration launch
-constexpr int kCalibrationReps = 7; ///< timed repetitions per calibration figure
-constexpr unsigned kBlock = 256;
-constexpr unsigned kBlocksPerSm = 8;
-
-constexpr std::size_t kSampleTarget = std::size_t{1} << 20; ///< light: strided sample size
-constexpr std::size_t kHeavySamples = std::size_t{1} << 16; ///< heavy: strided sample size
-constexpr std::size_t kHeavyEdge = 4096; ///< heavy: first and last elements, also checked
 
 constexpr unsigned kLibraryDepths[] = {2, 3};
 constexpr unsigned kRawRings[] = {2, 3};
@@ -154,20 +140,7 @@ constexpr const char* kHeavyVariants[] = {"library_depth3", "raw_ring3", "h2d_al
                                           "kernel_alone",   "d2h_alone", "bidirectional"};
 constexpr const char* kHostVariants[] = {"pinned", "pageable"};
 
-enum class work { light, heavy };
-
 // ---- results shared with the summary printed by main() ---------------------------------------
-
-/// Calibration of the heavy kernel, done once at startup.
-struct calibration {
-    int k = 0;           ///< FMAs per element
-    double h2d_ms = 0;   ///< one 64 MiB pinned H2D copy
-    double d2h_ms = 0;   ///< one 64 MiB pinned D2H copy
-    double light_ms = 0; ///< the light kernel on one 64 MiB chunk
-    double heavy_ms = 0; ///< the heavy kernel with `k` on one 64 MiB chunk
-};
-calibration g_cal;
-int g_sm_count = 0;
 
 std::map<std::string, double> g_light_gbps; ///< light variant -> GB/s
 std::map<std::string, double> g_heavy_s;    ///< heavy variant -> seconds per 4 GiB
@@ -181,123 +154,11 @@ struct timed_stats {
     double wall_seconds = 0;
 };
 std::map<std::string, timed_stats> g_stats; ///< "light", "heavy"
-std::size_t g_checked_runs = 0;             ///< runs whose output was checked
 
-// ---- kernels -----------------------------------------------------------------------------------
-
-__global__ void light_kernel(const float* in, float* out, std::size_t n, float a, float b) {
-    const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-    for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-        out[i] = __fmaf_rn(in[i], a, b);
-    }
-}
-
-__global__ void heavy_kernel(const float* in, float* out, std::size_t n, float a, float b, int k) {
-    const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-    for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float v = in[i];
-        for (int j = 0; j < k; ++j) {
-            v = __fmaf_rn(v, a, b);
-        }
-        out[i] = v;
-    }
-}
-
-/// Enough blocks for a full device (kBlocksPerSm x kBlock threads per SM), fewer for small n.
-unsigned grid_for(std::size_t n) {
-    const std::size_t wanted = (n + kBlock - 1) / kBlock;
-    const std::size_t full = static_cast<std::size_t>(g_sm_count) * kBlocksPerSm;
-    return static_cast<unsigned>(std::max<std::size_t>(1, std::min(wanted, full)));
-}
-
-// cudaLaunchKernel returns the launch status directly (no cudaGetLastError round trip).
-void launch_light(const float* in, float* out, std::size_t n, cudaStream_t s) {
-    float a = kLightA;
-    float b = kLightB;
-    void* args[] = {&in, &out, &n, &a, &b};
-    check(cudaLaunchKernel(light_kernel, dim3(grid_for(n)), dim3(kBlock), args, 0, s),
-          "cudaLaunchKernel");
-}
-
-void launch_heavy(const float* in, float* out, std::size_t n, int k, cudaStream_t s) {
-    float a = kHeavyA;
-    float b = kHeavyB;
-    void* args[] = {&in, &out, &n, &a, &b, &k};
-    check(cudaLaunchKernel(heavy_kernel, dim3(grid_for(n)), dim3(kBlock), args, 0, s),
-          "cudaLaunchKernel");
-}
-
-void launch_work(work w, const float* in, float* out, std::size_t n, cudaStream_t s) {
-    if (w == work::light) {
-        launch_light(in, out, n, s);
-    } else {
-        launch_heavy(in, out, n, g_cal.k, s);
-    }
-}
-
-/// The pipeline's stage for the light kernel.
-struct light_stage {
-    void operator()(std::span<float> in, std::span<float> out, cudawait::stream_ref s) const {
-        launch_light(in.data(), out.data(), in.size(), s.get());
-    }
-};
-
-/// The pipeline's stage for the heavy kernel.
-struct heavy_stage {
-    int k;
-    void operator()(std::span<float> in, std::span<float> out, cudawait::stream_ref s) const {
-        launch_heavy(in.data(), out.data(), in.size(), k, s.get());
-    }
-};
 // ---- helpers -----------------------------------------------------------------------------------
 
 std::string chunk_key(bool graph, unsigned depth) {
     return std::string(graph ? "graph" : "plain") + "/d" + std::to_string(depth);
-}
-
-/// Runs fn(args..., begin, end) over [0, n) split across the hardware's threads.
-template <class Fn, class... Args>
-void parallel_ranges(std::size_t n, Fn fn, Args... args) {
-    const std::size_t parts = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
-    std::vector<std::jthread> threads; // joined when they go out of scope
-    threads.reserve(parts);
-    for (std::size_t p = 0; p < parts; ++p) {
-        threads.emplace_back(fn, args..., n * p / parts, n * (p + 1) / parts);
-    }
-}
-
-/// Uniform floats in [-1, 1) from splitmix64 of the element index (the same on every thread
-/// split, so the input does not depend on the number of threads).
-void fill_range(float* p, std::size_t begin, std::size_t end) {
-    for (std::size_t i = begin; i < end; ++i) {
-        std::uint64_t z = 0x243f6a8885a308d3ULL + (i + 1) * 0x9e3779b97f4a7c15ULL;
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        z ^= z >> 31;
-        p[i] = static_cast<float>(static_cast<std::int32_t>(z >> 32)) * 0x1p-31f;
-    }
-}
-
-float light_reference(float x) { return std::fma(x, kLightA, kLightB); }
-
-float heavy_reference(float x, int k) {
-    for (int j = 0; j < k; ++j) {
-        x = std::fma(x, kHeavyA, kHeavyB);
-    }
-    return x;
-}
-
-void light_reference_range(const float* in, float* ref, std::size_t begin, std::size_t end) {
-    for (std::size_t i = begin; i < end; ++i) {
-        ref[i] = light_reference(in[i]);
-    }
-}
-
-void heavy_reference_range(const float* in, const std::size_t* at, float* ref, int k,
-                           std::size_t begin, std::size_t end) {
-    for (std::size_t j = begin; j < end; ++j) {
-        ref[j] = heavy_reference(in[at[j]], k);
-    }
 }
 
 /// Interleaved measurements, keyed by comparison; filled by whichever of its benchmarks runs
@@ -318,99 +179,14 @@ double replay_variant(benchmark::State& state, const std::string& key, Measure&&
     return secs;
 }
 
-// ---- the workload: pinned input and output, host references ------------------------------------
-
-/// 4 GiB of random floats and room for the output, page-locked, with the reference results.
-struct workload {
-    cudawait::pinned_pool pool; // declared first: destroyed after the buffers
-    cudawait::pinned_buffer<float> in;
-    cudawait::pinned_buffer<float> out;
-    std::vector<float> light_ref;      ///< the light kernel's result for every input element
-    std::vector<std::size_t> heavy_at; ///< elements the heavy runs are checked at
-    std::vector<float> heavy_ref;      ///< the heavy kernel's result there
-
-    workload() {
-        pool.reserve(2 * kTotalBytes);
-        in = cudawait::pinned_buffer<float>(kTotal, pool);
-        out = cudawait::pinned_buffer<float>(kTotal, pool);
-        parallel_ranges(kTotal, fill_range, in.data());
-        light_ref.resize(kTotal);
-        parallel_ranges(kTotal, light_reference_range, static_cast<const float*>(in.data()),
-                        light_ref.data());
-        const std::size_t stride = kTotal / kHeavySamples;
-        for (std::size_t i = 0; i < kHeavyEdge; ++i) {
-            heavy_at.push_back(i);
-        }
-        for (std::size_t j = 0; j < kHeavySamples; ++j) {
-            heavy_at.push_back(sample_index(j, stride));
-        }
-        for (std::size_t i = kTotal - kHeavyEdge; i < kTotal; ++i) {
-            heavy_at.push_back(i);
-        }
-        heavy_ref.resize(heavy_at.size());
-        parallel_ranges(
-            heavy_at.size(), heavy_reference_range, static_cast<const float*>(in.data()),
-            static_cast<const std::size_t*>(heavy_at.data()), heavy_ref.data(), g_cal.k);
-    }
-    workload(const workload&) = delete;
-    workload& operator=(const workload&) = delete;
-};
-
 /// Built by the first benchmark that needs it; reset by main() before the CUDA runtime goes.
 std::unique_ptr<workload> g_work;
 
 workload& work_data() {
     if (!g_work) {
-        g_work = std::make_unique<workload>();
+        g_work = std::make_unique<workload>(kTotal);
     }
     return *g_work;
-}
-
-// ---- checking ----------------------------------------------------------------------------------
-
-/// The last chunk of a run of n elements in chunks of `chunk`: [n - tail, n).
-std::size_t tail_of(std::size_t n, std::size_t chunk) {
-    return n % chunk == 0 ? std::min(chunk, n) : n % chunk;
-}
-
-/// Calls f(begin, end) for every range a light run is checked at: the first and last chunk in
-/// full, and a strided sample of about 1M single elements.
-template <class F>
-void for_light_checks(std::size_t n, std::size_t chunk, F&& f) {
-    f(std::size_t{0}, std::min(chunk, n));
-    f(n - tail_of(n, chunk), n);
-    const std::size_t stride = std::max<std::size_t>(1, n / kSampleTarget);
-    for (std::size_t j = 0; j < n / stride; ++j) {
-        const std::size_t i = sample_index(j, stride);
-        f(i, i + 1);
-    }
-}
-
-/// Overwrites every element the check after the run looks at (bench::poison).
-void poison(work w, float* out, std::size_t n, std::size_t chunk) {
-    if (w == work::light) {
-        for_light_checks(n, chunk, [&](std::size_t b, std::size_t e) { poison(out, b, e); });
-    } else {
-        for (std::size_t i : work_data().heavy_at) {
-            poison(out, i, i + 1);
-        }
-    }
-}
-
-/// Compares those elements with the host reference; the first wrong one ends the program.
-void check_output(work w, const float* out, std::size_t n, std::size_t chunk,
-                  const std::string& what) {
-    const workload& wd = work_data();
-    if (w == work::light) {
-        const float* ref = wd.light_ref.data();
-        for_light_checks(n, chunk,
-                         [&](std::size_t b, std::size_t e) { expect_range(ref, out, b, e, what); });
-    } else {
-        for (std::size_t j = 0; j < wd.heavy_at.size(); ++j) {
-            expect_at(out, wd.heavy_at[j], wd.heavy_ref[j], what);
-        }
-    }
-    ++g_checked_runs;
 }
 
 // ---- the library --------------------------------------------------------------------------------
@@ -437,34 +213,21 @@ cudawait::task<void> run_batch(float_pipeline* pipe, std::span<const float> in,
     co_await pipe->run(in, out);
 }
 
-/// One batch, timed from the call to sync_wait's return.
-double time_library(cudawait::scheduler& sched, float_pipeline& pipe, std::span<const float> in,
-                    std::span<float> out) {
-    const auto t0 = steady::now();
-    cudawait::sync_wait(sched, run_batch(&pipe, in, out));
-    return seconds(steady::now() - t0);
-}
-
 /// One batch over the first n elements of `in` into `out`, poisoned before and checked after
 /// (outside the timing).
 double checked_library_run(work w, cudawait::scheduler& sched, float_pipeline& pipe,
                            const float* in, float* out, std::size_t n, const std::string& what) {
     const std::size_t chunk = pipe.options().chunk_elements;
-    poison(w, out, n, chunk);
-    const double secs = time_library(sched, pipe, {in, n}, {out, n});
-    check_output(w, out, n, chunk, what);
+    poison(work_data(), w, out, n, chunk);
+    // Timed from the call to sync_wait's return.
+    const double secs = time_host([&] {
+        cudawait::sync_wait(sched, run_batch(&pipe, {in, n}, {out, n}));
+    });
+    check_output(work_data(), w, out, n, chunk, what);
     return secs;
 }
 
 // ---- the hand-written variants ------------------------------------------------------------------
-
-/// The kernel of `w` as the hand-written variants launch it.
-struct work_kernel {
-    work w;
-    void operator()(const float* in, float* out, std::size_t n, cudaStream_t s) const {
-        launch_work(w, in, out, n, s);
-    }
-};
 
 /// The hand-written variants' resources (bench_raw_pipeline.hpp), created once per comparison:
 /// the ring with kSlots slots, and a stream of default priority for the serial variant.
@@ -482,7 +245,7 @@ struct hand_written {
 /// and checked after (outside the timing).
 double checked_hand_run(hand_written& hw, work w, unsigned ring, const float* in, float* out,
                         std::size_t n, const std::string& what) {
-    poison(w, out, n, kChunk);
+    poison(work_data(), w, out, n, kChunk);
     const double secs = time_host([&] {
         if (ring == 0) {
             run_serial(hw.ring, hw.serial.get(), in, out, n, work_kernel{w});
@@ -490,7 +253,7 @@ double checked_hand_run(hand_written& hw, work w, unsigned ring, const float* in
             hw.ring.run(in, out, n, ring, work_kernel{w});
         }
     });
-    check_output(w, out, n, kChunk, what);
+    check_output(work_data(), w, out, n, kChunk, what);
     return secs;
 }
 
@@ -682,83 +445,6 @@ void warm_up_device() {
     create_context_and_async_pool();
 
     g_sm_count = add_device_context().multiProcessorCount;
-}
-
-/// Buffers for timing one 64 MiB chunk's operations with events.
-struct calibration_buffers {
-    cudawait::stream s; // first: the device buffers are freed on it
-    cudawait::pinned_buffer<float> host;
-    cudawait::device_buffer<float> din;
-    cudawait::device_buffer<float> dout;
-    cudawait::event start;
-    cudawait::event stop;
-
-    calibration_buffers()
-        : s(cudawait::device_ref(0), 0), host(kChunk), din(kChunk, s), dout(kChunk, s),
-          start(cudawait::device_ref(0), cudaEventDefault),
-          stop(cudawait::device_ref(0), cudaEventDefault) {
-        fill_range(host.data(), 0, kChunk);
-        check(cudaMemcpyAsync(din.data(), host.data(), kChunk * sizeof(float),
-                              cudaMemcpyHostToDevice, s.get()),
-              "cudaMemcpyAsync");
-        s.sync();
-    }
-};
-
-enum class calibration_op { h2d, d2h, light, heavy };
-
-/// Median milliseconds of `op` on one chunk, by cudaEvent timing, after one untimed run.
-double time_op_ms(calibration_buffers& b, calibration_op op, int k) {
-    std::vector<double> ms;
-    for (int rep = -1; rep < kCalibrationReps; ++rep) {
-        b.start.record(b.s);
-        switch (op) {
-        case calibration_op::h2d:
-            check(cudaMemcpyAsync(b.din.data(), b.host.data(), kChunkBytes, cudaMemcpyHostToDevice,
-                                  b.s.get()),
-                  "cudaMemcpyAsync");
-            break;
-        case calibration_op::d2h:
-            check(cudaMemcpyAsync(b.host.data(), b.dout.data(), kChunkBytes, cudaMemcpyDeviceToHost,
-                                  b.s.get()),
-                  "cudaMemcpyAsync");
-            break;
-        case calibration_op::light:
-            launch_light(b.din.data(), b.dout.data(), kChunk, b.s.get());
-            break;
-        case calibration_op::heavy:
-            launch_heavy(b.din.data(), b.dout.data(), kChunk, k, b.s.get());
-            break;
-        }
-        b.stop.record(b.s);
-        b.stop.sync();
-        float elapsed = 0;
-        check(cudaEventElapsedTime(&elapsed, b.start.get(), b.stop.get()), "cudaEventElapsedTime");
-        if (rep >= 0) {
-            ms.push_back(static_cast<double>(elapsed));
-        }
-    }
-    return median(ms);
-}
-
-/// Picks K so that the heavy kernel on one 64 MiB chunk takes as long as its H2D copy: a first
-/// launch with kCalibrationK scales K linearly, a second corrects it once.
-void calibrate_heavy() {
-    calibration_buffers b;
-    calibration c;
-    c.h2d_ms = time_op_ms(b, calibration_op::h2d, 0);
-    c.d2h_ms = time_op_ms(b, calibration_op::d2h, 0);
-    c.light_ms = time_op_ms(b, calibration_op::light, 0);
-    int k = kCalibrationK;
-    for (int pass = 0; pass < 2; ++pass) {
-        const double ms = time_op_ms(b, calibration_op::heavy, k);
-        k = std::max(1, static_cast<int>(std::lround(k * c.h2d_ms / ms)));
-    }
-    c.k = k;
-    c.heavy_ms = time_op_ms(b, calibration_op::heavy, k);
-    b.s.sync();
-    g_cal = c;
-    benchmark::AddCustomContext("heavy_K", std::to_string(c.k));
 }
 
 /// Registers a benchmark that reports manual times in milliseconds.
@@ -1043,7 +729,7 @@ int main(int argc, char** argv) {
         argc, argv, "pipeline_bench", "every benchmark here moves data to and from a GPU",
         [] {
             bench::warm_up_device();
-            bench::calibrate_heavy();
+            bench::calibrate_heavy(bench::kChunk);
         },
         bench::register_benchmarks,
         [] {
