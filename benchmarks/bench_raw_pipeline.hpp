@@ -3,11 +3,12 @@
 
 // raw_pipeline: the H2D -> kernel -> D2H pipeline written by hand in raw CUDA. pipeline_bench
 // compares cudawait::pipeline with it, and it is the shortest complete answer to "what does the
-// pipeline do on the GPU?" (the library adds graphs, pageable staging, timing, fallbacks).
+// pipeline do on the GPU?" for one stage over pinned memory (the library adds several stages,
+// pageable staging, CUDA graphs, streaming, stage timing and a host fallback).
 //
-// Three streams, one per stage: h2d and d2h at the device's lowest priority, compute at its
-// highest, so a kernel is never queued behind a copy. A ring of device slots, each an input
-// buffer, an output buffer and three events; chunk c of the batch uses slot c mod ring.
+// Three non-blocking streams, one per stage, with the pipeline's default priorities: h2d and d2h
+// at the device's lowest, compute at its highest. A ring of device slots, each an input buffer,
+// an output buffer and three events; chunk c of the batch uses slot c mod ring.
 //
 // For every chunk, in plain words:
 //   1. The h2d stream copies the chunk into the slot's input buffer, then records h2d_done.
