@@ -284,7 +284,6 @@ constexpr std::pair<const char*, latency_block> kLatencyVariants[] = {
     {"co_await", &block_co_await},
     {"co_await_balanced", &block_co_await_balanced},
 };
-constexpr std::size_t kLatencyVariantCount = std::size(kLatencyVariants);
 
 struct latency_runs {
     std::map<std::string, std::vector<double>> samples;  ///< variant -> round trips (seconds)
@@ -293,23 +292,23 @@ struct latency_runs {
 
 latency_runs measure_latency() {
     latency_context c;
-    latency_runs runs;
-    for (const auto& [name, block] : kLatencyVariants) {
+    std::vector<std::string> names;
+    for (const auto& [name, block] : kLatencyVariants) { // warm-up: a longer block of each
         std::vector<double> discarded;
         block(c, kWarmupSamples, 0, discarded);
-        runs.samples[name].reserve(kLatencyRounds * kLatencyBlock);
+        names.emplace_back(name);
     }
-    std::vector<double> block_samples;
-    for (std::size_t round = 0; round < kLatencyRounds; ++round) {
-        for (std::size_t j = 0; j < kLatencyVariantCount; ++j) {
-            const auto& [name, block] = kLatencyVariants[(round + j) % kLatencyVariantCount];
-            block_samples.clear();
-            block(c, kBlockWarmup, kLatencyBlock, block_samples);
-            std::vector<double>& all = runs.samples[name];
-            all.insert(all.end(), block_samples.begin(), block_samples.end());
-            runs.round_p50[name].push_back(median(block_samples));
-        }
-    }
+    latency_runs runs;
+    runs.samples = interleaved(
+        static_cast<std::int64_t>(kLatencyRounds), names,
+        [&](std::size_t v) {
+            std::vector<double> block;
+            block.reserve(kLatencyBlock);
+            kLatencyVariants[v].second(c, kBlockWarmup, kLatencyBlock, block);
+            runs.round_p50[names[v]].push_back(median(block));
+            return block;
+        },
+        0);
     return runs;
 }
 
@@ -323,12 +322,8 @@ const latency_runs& latency() {
 /// Feeds the pooled per-round-trip times (seconds) of `key` to Google Benchmark as manual
 /// iteration times, publishes the percentiles as counters and keeps the p50 for the summary.
 void publish_latency(benchmark::State& state, const char* key) {
-    const std::vector<double>& samples = latency().samples.at(key);
-    std::size_t i = 0;
-    for (auto _ : state) {
-        state.SetIterationTime(samples[i % samples.size()]);
-        ++i;
-    }
+    const std::vector<double>& samples = samples_of(latency().samples, key);
+    replay(state, samples);
     std::vector<double> sorted = samples;
     std::sort(sorted.begin(), sorted.end());
     const double p50 = percentile(sorted, 0.50) * 1e6;
@@ -508,16 +503,12 @@ double run_raw(raw_waiters& r, int awaits) {
     return seconds(t1 - t0);
 }
 
-/// Seconds per timed run of each throughput variant.
-struct throughput_runs {
-    std::vector<double> co_await_spin;
-    std::vector<double> co_await_balanced;
-    std::vector<double> raw;
-};
+/// The throughput variants, in the order of the first round.
+constexpr const char* kThroughputVariants[] = {"co_await_spin", "co_await_balanced", "raw"};
 
 /// Runs all three variants, interleaved, on the same 64 streams. The two co_await variants share
 /// one scheduler (and so one event cache); its policy is switched between runs, while it is idle.
-throughput_runs measure_throughput() {
+runs_by_variant measure_throughput() {
     const std::vector<cudawait::stream> streams = make_streams();
     raw_waiters raw(streams);
     cudawait::scheduler sched; // destroyed first: drains before the streams go
@@ -527,44 +518,30 @@ throughput_runs measure_throughput() {
     (void)run_completion_workers(sched, streams, 2);
     (void)run_raw(raw, 2);
 
-    throughput_runs runs;
-    for (std::int64_t round = 0; round < kThroughputRuns; ++round) {
-        for (std::int64_t j = 0; j < 3; ++j) {
-            switch ((round + j) % 3) {
-            case 0:
-                sched.set_policy(cudawait::poll_policy::spinning());
-                runs.co_await_spin.push_back(
-                    run_completion_workers(sched, streams, kAwaitsPerWaiter));
-                break;
-            case 1:
-                sched.set_policy(cudawait::poll_policy::balanced());
-                runs.co_await_balanced.push_back(
-                    run_completion_workers(sched, streams, kAwaitsPerWaiter));
-                break;
-            default:
-                runs.raw.push_back(run_raw(raw, kAwaitsPerWaiter));
-                break;
+    return interleaved(
+        kThroughputRuns, kThroughputVariants,
+        [&](std::size_t v) {
+            if (v == 2) {
+                return run_raw(raw, kAwaitsPerWaiter);
             }
-        }
-    }
-    return runs;
+            sched.set_policy(v == 0 ? cudawait::poll_policy::spinning()
+                                    : cudawait::poll_policy::balanced());
+            return run_completion_workers(sched, streams, kAwaitsPerWaiter);
+        },
+        0); // warmed up above
 }
 
 /// Measured once per process, by whichever throughput benchmark runs first. A failed measurement
 /// is not cached: the next benchmark tries again and reports its own error.
-const throughput_runs& throughput() {
-    static const throughput_runs runs = measure_throughput();
+const runs_by_variant& throughput() {
+    static const runs_by_variant runs = measure_throughput();
     return runs;
 }
 
 /// Feeds one variant's run times to Google Benchmark and publishes the median rate.
-void publish_throughput(benchmark::State& state, const char* key,
-                        const std::vector<double>& run_seconds) {
-    std::size_t i = 0;
-    for (auto _ : state) {
-        state.SetIterationTime(run_seconds[i % run_seconds.size()]);
-        ++i;
-    }
+void publish_throughput(benchmark::State& state, const char* key) {
+    const std::vector<double>& run_seconds = samples_of(throughput(), key);
+    replay(state, run_seconds);
     std::vector<double> rates;
     for (double secs : run_seconds) {
         rates.push_back(static_cast<double>(kCompletions) / secs);
@@ -575,16 +552,13 @@ void publish_throughput(benchmark::State& state, const char* key,
 }
 
 void BM_completions_co_await_spin(benchmark::State& state) {
-    guarded(state,
-            [&] { publish_throughput(state, "co_await_spin", throughput().co_await_spin); });
+    guarded(state, [&] { publish_throughput(state, "co_await_spin"); });
 }
 void BM_completions_co_await_balanced(benchmark::State& state) {
-    guarded(state, [&] {
-        publish_throughput(state, "co_await_balanced", throughput().co_await_balanced);
-    });
+    guarded(state, [&] { publish_throughput(state, "co_await_balanced"); });
 }
 void BM_completions_raw(benchmark::State& state) {
-    guarded(state, [&] { publish_throughput(state, "raw", throughput().raw); });
+    guarded(state, [&] { publish_throughput(state, "raw"); });
 }
 
 // ---- 3. idle CPU cost ----------------------------------------------------------------------------

@@ -140,8 +140,6 @@ std::string copy_key(const char* variant, std::size_t bytes, direction d) {
     return std::string(variant) + "/" + size_name(bytes) + "/" + dir_name(d);
 }
 
-double gbps(std::size_t bytes, double secs) { return static_cast<double>(bytes) / secs * 1e-9; }
-
 /// Fills `n` bytes with a deterministic pseudo-random sequence (splitmix64), which also faults
 /// every page in.
 void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
@@ -160,25 +158,13 @@ void fill_random(std::byte* p, std::size_t n, std::uint64_t seed) {
     }
 }
 
-/// Feeds measured per-operation times (seconds) to Google Benchmark as manual iteration times.
-void replay(benchmark::State& state, const std::vector<double>& samples) {
-    std::size_t i = 0;
-    for (auto _ : state) {
-        state.SetIterationTime(samples[i % samples.size()]);
-        ++i;
-    }
-}
+/// The two variants of the copy comparisons (3 and 4), in the order of the first round.
+constexpr const char* kCopyVariants[] = {"cudawait", "raw"};
 
-/// Seconds per operation of the two variants of one comparison, measured interleaved.
-struct paired_seconds {
-    std::vector<double> library;
-    std::vector<double> raw;
-};
-
-/// Interleaved measurements, keyed by comparison; filled by whichever benchmark of a pair runs
-/// first. A failed measurement is not stored: the other benchmark tries again and reports its
-/// own error.
-std::map<std::string, paired_seconds> g_paired;
+/// Seconds per operation of each variant, measured interleaved (bench::interleaved), keyed by
+/// comparison; filled by whichever benchmark of a pair runs first. A failed measurement is not
+/// stored: the other benchmark tries again and reports its own error.
+std::map<std::string, runs_by_variant> g_measured;
 
 // ---- 1. allocate + free, hit path ---------------------------------------------------------------
 
@@ -292,28 +278,22 @@ double time_host_alloc_growth() {
     return seconds(t1 - t0);
 }
 
-paired_seconds measure_growth() {
+runs_by_variant measure_growth() {
     (void)time_pool_growth(); // warm-up: fault-in threads, first registration, first allocation
     (void)time_host_alloc_growth();
-    g_pool_growth_time_s.clear();
-    paired_seconds runs;
-    for (std::int64_t r = 0; r < kGrowthRuns; ++r) {
-        if (r % 2 == 0) {
-            runs.library.push_back(time_pool_growth());
-            runs.raw.push_back(time_host_alloc_growth());
-        } else {
-            runs.raw.push_back(time_host_alloc_growth());
-            runs.library.push_back(time_pool_growth());
-        }
-    }
-    return runs;
+    g_pool_growth_time_s.clear(); // the warm-up's, which is why the warm-up is done here
+    constexpr const char* variants[] = {"pool", "host"};
+    return interleaved(
+        kGrowthRuns, variants,
+        [](std::size_t v) { return v == 0 ? time_pool_growth() : time_host_alloc_growth(); }, 0);
 }
 
 void BM_pool_reserve_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const paired_seconds runs = measured_once(g_paired, "growth", measure_growth);
-        replay(state, runs.library);
-        const double ms = median(runs.library) * 1e3;
+        const std::vector<double>& runs =
+            samples_of(measured_once(g_measured, "growth", measure_growth), "pool");
+        replay(state, runs);
+        const double ms = median(runs) * 1e3;
         state.counters["ms"] = ms;
         if (!g_pool_growth_time_s.empty()) {
             state.counters["upstream_ms"] = median(g_pool_growth_time_s) * 1e3;
@@ -324,9 +304,10 @@ void BM_pool_reserve_1GiB(benchmark::State& state) {
 
 void BM_cudaHostAlloc_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const paired_seconds runs = measured_once(g_paired, "growth", measure_growth);
-        replay(state, runs.raw);
-        const double ms = median(runs.raw) * 1e3;
+        const std::vector<double>& runs =
+            samples_of(measured_once(g_measured, "growth", measure_growth), "host");
+        replay(state, runs);
+        const double ms = median(runs) * 1e3;
         state.counters["ms"] = ms;
         g_growth_ms["host"] = ms;
     });
@@ -364,7 +345,7 @@ double time_pinned_raw(cudawait::device_buffer<std::byte>& dev,
     return seconds(steady::now() - t0);
 }
 
-paired_seconds measure_pinned_copy(std::size_t bytes, std::int64_t rounds, direction d) {
+runs_by_variant measure_pinned_copy(std::size_t bytes, std::int64_t rounds, direction d) {
     cudawait::stream stream;    // destroyed last: the buffers free on it
     cudawait::pinned_pool pool; // destroyed after the buffer, waiting for its recorded uses
     cudawait::pinned_buffer<std::byte> host(bytes, pool);
@@ -374,30 +355,22 @@ paired_seconds measure_pinned_copy(std::size_t bytes, std::int64_t rounds, direc
     check(cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, s),
           "cudaMemcpyAsync");
     check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    for (int i = 0; i < 2; ++i) { // warm-up
-        (void)time_pinned_cudawait(dev, host, s, d);
-        (void)time_pinned_raw(dev, host, s, d);
-    }
-    paired_seconds runs;
-    for (std::int64_t r = 0; r < rounds; ++r) {
-        if (r % 2 == 0) {
-            runs.library.push_back(time_pinned_cudawait(dev, host, s, d));
-            runs.raw.push_back(time_pinned_raw(dev, host, s, d));
-        } else {
-            runs.raw.push_back(time_pinned_raw(dev, host, s, d));
-            runs.library.push_back(time_pinned_cudawait(dev, host, s, d));
-        }
-    }
-    return runs;
+    return interleaved(
+        rounds, kCopyVariants,
+        [&](std::size_t v) {
+            return v == 0 ? time_pinned_cudawait(dev, host, s, d)
+                          : time_pinned_raw(dev, host, s, d);
+        },
+        2); // two warm-up rounds
 }
 
 void BM_pinned_copy(benchmark::State& state, bool library, std::size_t bytes, std::int64_t rounds,
                     direction d) {
     guarded(state, [&] {
-        const paired_seconds runs =
-            measured_once(g_paired, copy_key("pinned", bytes, d),
-                          [&] { return measure_pinned_copy(bytes, rounds, d); });
-        const std::vector<double>& mine = library ? runs.library : runs.raw;
+        const runs_by_variant& runs = measured_once(g_measured, copy_key("pinned", bytes, d), [&] {
+            return measure_pinned_copy(bytes, rounds, d);
+        });
+        const std::vector<double>& mine = samples_of(runs, kCopyVariants[library ? 0 : 1]);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
         const double rate = gbps(bytes, median(mine));
@@ -467,7 +440,7 @@ double time_pageable_raw(cudawait::device_buffer<std::byte>& dev, std::byte* hos
     return seconds(steady::now() - t0);
 }
 
-paired_seconds measure_pageable_copy(std::size_t bytes, std::int64_t rounds, direction d) {
+runs_by_variant measure_pageable_copy(std::size_t bytes, std::int64_t rounds, direction d) {
     cudawait::stream stream; // destroyed last: the device buffer frees on it
     const std::unique_ptr<std::byte[]> src = pageable(bytes, true, bytes ^ 0x5eed);
     const std::unique_ptr<std::byte[]> dst = pageable(bytes, false, 0);
@@ -477,30 +450,23 @@ paired_seconds measure_pageable_copy(std::size_t bytes, std::int64_t rounds, dir
 
     // H2D reads `src`, D2H writes `dst`; both are pre-faulted and already touched by the check.
     std::byte* host = d == direction::h2d ? src.get() : dst.get();
-    for (int i = 0; i < 2; ++i) { // warm-up: staging chunks in the default pool, memcpy threads
-        (void)time_pageable_cudawait(dev, host, s, d);
-        (void)time_pageable_raw(dev, host, s, d);
-    }
-    paired_seconds runs;
-    for (std::int64_t r = 0; r < rounds; ++r) {
-        if (r % 2 == 0) {
-            runs.library.push_back(time_pageable_cudawait(dev, host, s, d));
-            runs.raw.push_back(time_pageable_raw(dev, host, s, d));
-        } else {
-            runs.raw.push_back(time_pageable_raw(dev, host, s, d));
-            runs.library.push_back(time_pageable_cudawait(dev, host, s, d));
-        }
-    }
-    return runs;
+    // Two warm-up rounds: staging chunks in the default pool, memcpy threads.
+    return interleaved(
+        rounds, kCopyVariants,
+        [&](std::size_t v) {
+            return v == 0 ? time_pageable_cudawait(dev, host, s, d)
+                          : time_pageable_raw(dev, host, s, d);
+        },
+        2);
 }
 
 void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes,
                       std::int64_t rounds, direction d) {
     guarded(state, [&] {
-        const paired_seconds runs =
-            measured_once(g_paired, copy_key("pageable", bytes, d),
+        const runs_by_variant& runs =
+            measured_once(g_measured, copy_key("pageable", bytes, d),
                           [&] { return measure_pageable_copy(bytes, rounds, d); });
-        const std::vector<double>& mine = library ? runs.library : runs.raw;
+        const std::vector<double>& mine = samples_of(runs, kCopyVariants[library ? 0 : 1]);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
         const double rate = gbps(bytes, median(mine));

@@ -3,7 +3,8 @@
 // pipeline_bench: what cudawait::pipeline<float> achieves on H2D -> kernel -> D2H work, against
 // the limits of the PCIe/C2C link and against the same work written by hand.
 //
-// Two kernels, both float -> float maps over the chunk, grid-stride:
+// Two kernels (bench_pipeline_work.hpp, with the input, the references and the checks), both
+// float -> float maps over the chunk, grid-stride:
 //   light   out[i] = fma(in[i], a, b): memory-bound, negligible next to the chunk's transfer
 //   heavy   K dependent FMAs per element, K calibrated at startup (cudaEvent timing) so that the
 //           kernel on one 64 MiB chunk takes as long as one 64 MiB pinned H2D copy
@@ -14,10 +15,11 @@
 //                                           pipeline is built outside the timing
 //        BM_light/serial                    one stream: per chunk H2D, kernel, D2H,
 //                                           cudaStreamSynchronize (what a naive user writes)
-//        BM_light/raw_ring2, _ring3         hand-written pipeline: H2D / compute / D2H streams,
-//                                           a ring of 2 or 3 device slots, cudaStreamWaitEvent
-//                                           for slot reuse, all 64 chunks enqueued up front,
-//                                           then one synchronisation
+//        BM_light/raw_ring2, _ring3         hand-written pipeline (bench_raw_pipeline.hpp):
+//                                           H2D / compute / D2H streams, a ring of 2 or 3
+//                                           device slots, cudaStreamWaitEvent for slot reuse,
+//                                           all 64 chunks enqueued up front, then one
+//                                           synchronisation
 //        BM_light/bidirectional_bound       no kernel: the 4 GiB H2D and a 4 GiB D2H running
 //                                           at once on two streams, 64 MiB copies
 //      Summary ratios (the better library depth): library / bound (>= 0.98), library / the
@@ -60,40 +62,36 @@
 // targets. Without a CUDA device the program exits with 2; when a benchmark reported an error,
 // with 1.
 //
+// Every comparison is measured by bench::interleaved (bench_support.hpp) the first time one of
+// its benchmarks runs; each benchmark then replays its own variant's samples. The hand-written
+// variants are in bench_raw_pipeline.hpp.
+//
 // Every coroutine here is a free function in namespace `bench` and takes its state through
 // parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
 // g++ raise -Wsubobject-linkage in nvcc's host pass. Pipeline stages are named function objects
 // for the same reason.
 
-#include "bench_support.hpp"
-
 #include <cudawait/cudawait.hpp>
 #include <cudawait/pipeline.hpp>
 
-#include <benchmark/benchmark.h>
-
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
 #include <span>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
 
+#include "bench_pipeline_work.hpp"
+#include "bench_raw_pipeline.hpp"
+#include "bench_support.hpp"
+#include <benchmark/benchmark.h>
 namespace bench {
 
 using cudawait::check;
@@ -107,19 +105,6 @@ constexpr std::size_t kTotal = kTotalBytes / sizeof(float);
 constexpr std::size_t kChunkBytes = 64_MiB; ///< chunk of 1, 2, 4 and 5
 constexpr std::size_t kChunk = kChunkBytes / sizeof(float);
 constexpr std::int64_t kRounds = 5; ///< timed runs of every variant
-
-constexpr float kLightA = 1.5f;
-constexpr float kLightB = 0.25f;
-constexpr float kHeavyA = 0.999f; ///< v -> a v + b converges to 1: no overflow, no denormals
-constexpr float kHeavyB = 0.001f;
-constexpr int kCalibrationK = 256;  ///< FMAs per element of the first calibration launch
-constexpr int kCalibrationReps = 7; ///< timed repetitions per calibration figure
-constexpr unsigned kBlock = 256;
-constexpr unsigned kBlocksPerSm = 8;
-
-constexpr std::size_t kSampleTarget = std::size_t{1} << 20; ///< light: strided sample size
-constexpr std::size_t kHeavySamples = std::size_t{1} << 16; ///< heavy: strided sample size
-constexpr std::size_t kHeavyEdge = 4096; ///< heavy: first and last elements, also checked
 
 constexpr unsigned kLibraryDepths[] = {2, 3};
 constexpr unsigned kRawRings[] = {2, 3};
@@ -155,21 +140,7 @@ constexpr const char* kHeavyVariants[] = {"library_depth3", "raw_ring3", "h2d_al
                                           "kernel_alone",   "d2h_alone", "bidirectional"};
 constexpr const char* kHostVariants[] = {"pinned", "pageable"};
 
-enum class work { light, heavy };
-enum class stage_kind { h2d, kernel, d2h };
-
 // ---- results shared with the summary printed by main() ---------------------------------------
-
-/// Calibration of the heavy kernel, done once at startup.
-struct calibration {
-    int k = 0;           ///< FMAs per element
-    double h2d_ms = 0;   ///< one 64 MiB pinned H2D copy
-    double d2h_ms = 0;   ///< one 64 MiB pinned D2H copy
-    double light_ms = 0; ///< the light kernel on one 64 MiB chunk
-    double heavy_ms = 0; ///< the heavy kernel with `k` on one 64 MiB chunk
-};
-calibration g_cal;
-int g_sm_count = 0;
 
 std::map<std::string, double> g_light_gbps; ///< light variant -> GB/s
 std::map<std::string, double> g_heavy_s;    ///< heavy variant -> seconds per 4 GiB
@@ -183,301 +154,39 @@ struct timed_stats {
     double wall_seconds = 0;
 };
 std::map<std::string, timed_stats> g_stats; ///< "light", "heavy"
-std::size_t g_checked_runs = 0;             ///< runs whose output was checked
-
-// ---- kernels -----------------------------------------------------------------------------------
-
-__global__ void light_kernel(const float* in, float* out, std::size_t n, float a, float b) {
-    const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-    for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-        out[i] = __fmaf_rn(in[i], a, b);
-    }
-}
-
-__global__ void heavy_kernel(const float* in, float* out, std::size_t n, float a, float b, int k) {
-    const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-    for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float v = in[i];
-        for (int j = 0; j < k; ++j) {
-            v = __fmaf_rn(v, a, b);
-        }
-        out[i] = v;
-    }
-}
-
-/// Enough blocks for a full device (kBlocksPerSm x kBlock threads per SM), fewer for small n.
-unsigned grid_for(std::size_t n) {
-    const std::size_t wanted = (n + kBlock - 1) / kBlock;
-    const std::size_t full = static_cast<std::size_t>(g_sm_count) * kBlocksPerSm;
-    return static_cast<unsigned>(std::max<std::size_t>(1, std::min(wanted, full)));
-}
-
-// cudaLaunchKernel returns the launch status directly (no cudaGetLastError round trip).
-void launch_light(const float* in, float* out, std::size_t n, cudaStream_t s) {
-    float a = kLightA;
-    float b = kLightB;
-    void* args[] = {&in, &out, &n, &a, &b};
-    check(cudaLaunchKernel(light_kernel, dim3(grid_for(n)), dim3(kBlock), args, 0, s),
-          "cudaLaunchKernel");
-}
-
-void launch_heavy(const float* in, float* out, std::size_t n, int k, cudaStream_t s) {
-    float a = kHeavyA;
-    float b = kHeavyB;
-    void* args[] = {&in, &out, &n, &a, &b, &k};
-    check(cudaLaunchKernel(heavy_kernel, dim3(grid_for(n)), dim3(kBlock), args, 0, s),
-          "cudaLaunchKernel");
-}
-
-void launch_work(work w, const float* in, float* out, std::size_t n, cudaStream_t s) {
-    if (w == work::light) {
-        launch_light(in, out, n, s);
-    } else {
-        launch_heavy(in, out, n, g_cal.k, s);
-    }
-}
-
-/// The pipeline's stage for the light kernel.
-struct light_stage {
-    void operator()(std::span<float> in, std::span<float> out, cudawait::stream_ref s) const {
-        launch_light(in.data(), out.data(), in.size(), s.get());
-    }
-};
-
-/// The pipeline's stage for the heavy kernel.
-struct heavy_stage {
-    int k;
-    void operator()(std::span<float> in, std::span<float> out, cudawait::stream_ref s) const {
-        launch_heavy(in.data(), out.data(), in.size(), k, s.get());
-    }
-};
 
 // ---- helpers -----------------------------------------------------------------------------------
-
-double gbps(std::size_t bytes, double secs) { return static_cast<double>(bytes) / secs * 1e-9; }
 
 std::string chunk_key(bool graph, unsigned depth) {
     return std::string(graph ? "graph" : "plain") + "/d" + std::to_string(depth);
 }
-
-std::uint32_t bits(float f) {
-    std::uint32_t u = 0;
-    std::memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-/// Runs fn(args..., begin, end) over [0, n) split across the hardware's threads.
-template <class Fn, class... Args>
-void parallel_ranges(std::size_t n, Fn fn, Args... args) {
-    const std::size_t parts = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
-    std::vector<std::jthread> threads; // joined when they go out of scope
-    threads.reserve(parts);
-    for (std::size_t p = 0; p < parts; ++p) {
-        threads.emplace_back(fn, args..., n * p / parts, n * (p + 1) / parts);
-    }
-}
-
-/// Uniform floats in [-1, 1) from splitmix64 of the element index (the same on every thread
-/// split, so the input does not depend on the number of threads).
-void fill_range(float* p, std::size_t begin, std::size_t end) {
-    for (std::size_t i = begin; i < end; ++i) {
-        std::uint64_t z = 0x243f6a8885a308d3ULL + (i + 1) * 0x9e3779b97f4a7c15ULL;
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        z ^= z >> 31;
-        p[i] = static_cast<float>(static_cast<std::int32_t>(z >> 32)) * 0x1p-31f;
-    }
-}
-
-float light_reference(float x) { return std::fma(x, kLightA, kLightB); }
-
-float heavy_reference(float x, int k) {
-    for (int j = 0; j < k; ++j) {
-        x = std::fma(x, kHeavyA, kHeavyB);
-    }
-    return x;
-}
-
-void light_reference_range(const float* in, float* ref, std::size_t begin, std::size_t end) {
-    for (std::size_t i = begin; i < end; ++i) {
-        ref[i] = light_reference(in[i]);
-    }
-}
-
-void heavy_reference_range(const float* in, const std::size_t* at, float* ref, int k,
-                           std::size_t begin, std::size_t end) {
-    for (std::size_t j = begin; j < end; ++j) {
-        ref[j] = heavy_reference(in[at[j]], k);
-    }
-}
-
-/// The j-th element of a strided sample: one per stride, at a position within it that varies.
-std::size_t sample_index(std::size_t j, std::size_t stride) {
-    return j * stride + (j * 2654435761ULL) % stride;
-}
-
-/// Feeds measured per-run times (seconds) to Google Benchmark as manual iteration times.
-void replay(benchmark::State& state, const std::vector<double>& samples) {
-    std::size_t i = 0;
-    for (auto _ : state) {
-        state.SetIterationTime(samples[i % samples.size()]);
-        ++i;
-    }
-}
-
-/// Seconds per run of each variant of one comparison, measured interleaved.
-using runs_by_variant = std::map<std::string, std::vector<double>>;
 
 /// Interleaved measurements, keyed by comparison; filled by whichever of its benchmarks runs
 /// first. A failed measurement is not stored: the next benchmark tries again and reports its
 /// own error.
 std::map<std::string, runs_by_variant> g_measured;
 
-/// The samples of `variant`. @throws std::runtime_error when there are none
-std::vector<double> samples_of(const runs_by_variant& runs, const std::string& variant) {
-    auto it = runs.find(variant);
-    if (it == runs.end() || it->second.empty()) {
-        throw std::runtime_error("no runs of " + variant + " were measured");
-    }
-    return it->second;
+/// Replays `variant`'s samples of the comparison `key` (measured by `measure` if this is the
+/// comparison's first benchmark), `bytes` per run, and returns their median.
+template <class Measure>
+double replay_variant(benchmark::State& state, const std::string& key, Measure&& measure,
+                      const std::string& variant, std::size_t bytes) {
+    const std::vector<double>& mine = samples_of(measured_once(g_measured, key, measure), variant);
+    replay(state, mine);
+    state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+    const double secs = median(mine);
+    state.counters["GBps"] = gbps(bytes, secs);
+    return secs;
 }
-
-// ---- the workload: pinned input and output, host references ------------------------------------
-
-/// 4 GiB of random floats and room for the output, page-locked, with the reference results.
-struct workload {
-    cudawait::pinned_pool pool; // declared first: destroyed after the buffers
-    cudawait::pinned_buffer<float> in;
-    cudawait::pinned_buffer<float> out;
-    std::vector<float> light_ref;      ///< the light kernel's result for every input element
-    std::vector<std::size_t> heavy_at; ///< elements the heavy runs are checked at
-    std::vector<float> heavy_ref;      ///< the heavy kernel's result there
-
-    workload() {
-        pool.reserve(2 * kTotalBytes);
-        in = cudawait::pinned_buffer<float>(kTotal, pool);
-        out = cudawait::pinned_buffer<float>(kTotal, pool);
-        parallel_ranges(kTotal, fill_range, in.data());
-        light_ref.resize(kTotal);
-        parallel_ranges(kTotal, light_reference_range, static_cast<const float*>(in.data()),
-                        light_ref.data());
-        const std::size_t stride = kTotal / kHeavySamples;
-        for (std::size_t i = 0; i < kHeavyEdge; ++i) {
-            heavy_at.push_back(i);
-        }
-        for (std::size_t j = 0; j < kHeavySamples; ++j) {
-            heavy_at.push_back(sample_index(j, stride));
-        }
-        for (std::size_t i = kTotal - kHeavyEdge; i < kTotal; ++i) {
-            heavy_at.push_back(i);
-        }
-        heavy_ref.resize(heavy_at.size());
-        parallel_ranges(
-            heavy_at.size(), heavy_reference_range, static_cast<const float*>(in.data()),
-            static_cast<const std::size_t*>(heavy_at.data()), heavy_ref.data(), g_cal.k);
-    }
-    workload(const workload&) = delete;
-    workload& operator=(const workload&) = delete;
-};
 
 /// Built by the first benchmark that needs it; reset by main() before the CUDA runtime goes.
 std::unique_ptr<workload> g_work;
 
 workload& work_data() {
     if (!g_work) {
-        g_work = std::make_unique<workload>();
+        g_work = std::make_unique<workload>(kTotal);
     }
     return *g_work;
-}
-
-// ---- checking ----------------------------------------------------------------------------------
-
-[[noreturn]] void mismatch(const std::string& what, std::size_t i, float expected, float got) {
-    std::fprintf(stderr,
-                 "pipeline_bench: FATAL: %s produced a wrong result at element %zu: expected %a "
-                 "(0x%08x), got %a (0x%08x)\n",
-                 what.c_str(), i, static_cast<double>(expected), bits(expected),
-                 static_cast<double>(got), bits(got));
-    std::fflush(stderr);
-    std::abort();
-}
-
-void compare_range(const float* ref, const float* out, std::size_t begin, std::size_t end,
-                   const std::string& what) {
-    if (std::memcmp(ref + begin, out + begin, (end - begin) * sizeof(float)) == 0) {
-        return;
-    }
-    for (std::size_t i = begin; i < end; ++i) {
-        if (bits(ref[i]) != bits(out[i])) {
-            mismatch(what, i, ref[i], out[i]);
-        }
-    }
-}
-
-/// The last chunk of a run of n elements in chunks of `chunk`: [n - tail, n).
-std::size_t tail_of(std::size_t n, std::size_t chunk) {
-    return n % chunk == 0 ? std::min(chunk, n) : n % chunk;
-}
-
-/// Overwrites every element check_light looks at with a NaN no kernel here produces.
-void poison_light(float* out, std::size_t n, std::size_t chunk) {
-    std::memset(out, 0xff, std::min(chunk, n) * sizeof(float));
-    const std::size_t tail = tail_of(n, chunk);
-    std::memset(out + (n - tail), 0xff, tail * sizeof(float));
-    const std::size_t stride = std::max<std::size_t>(1, n / kSampleTarget);
-    for (std::size_t j = 0; j < n / stride; ++j) {
-        std::memset(out + sample_index(j, stride), 0xff, sizeof(float));
-    }
-}
-
-/// The first and last chunk in full, and a strided sample of about 1M elements; aborts on the
-/// first wrong value (a broken pipeline, not a slow one).
-void check_light(const float* out, std::size_t n, std::size_t chunk, const std::string& what) {
-    const float* ref = work_data().light_ref.data();
-    compare_range(ref, out, 0, std::min(chunk, n), what);
-    compare_range(ref, out, n - tail_of(n, chunk), n, what);
-    const std::size_t stride = std::max<std::size_t>(1, n / kSampleTarget);
-    for (std::size_t j = 0; j < n / stride; ++j) {
-        const std::size_t i = sample_index(j, stride);
-        if (bits(ref[i]) != bits(out[i])) {
-            mismatch(what, i, ref[i], out[i]);
-        }
-    }
-    ++g_checked_runs;
-}
-
-void poison_heavy(float* out) {
-    for (std::size_t i : work_data().heavy_at) {
-        std::memset(out + i, 0xff, sizeof(float));
-    }
-}
-
-void check_heavy(const float* out, const std::string& what) {
-    const workload& w = work_data();
-    for (std::size_t j = 0; j < w.heavy_at.size(); ++j) {
-        const std::size_t i = w.heavy_at[j];
-        if (bits(w.heavy_ref[j]) != bits(out[i])) {
-            mismatch(what, i, w.heavy_ref[j], out[i]);
-        }
-    }
-    ++g_checked_runs;
-}
-
-void poison(work w, float* out, std::size_t n, std::size_t chunk) {
-    if (w == work::light) {
-        poison_light(out, n, chunk);
-    } else {
-        poison_heavy(out);
-    }
-}
-
-void check_output(work w, const float* out, std::size_t n, std::size_t chunk,
-                  const std::string& what) {
-    if (w == work::light) {
-        check_light(out, n, chunk, what);
-    } else {
-        check_heavy(out, what);
-    }
 }
 
 // ---- the library --------------------------------------------------------------------------------
@@ -504,320 +213,125 @@ cudawait::task<void> run_batch(float_pipeline* pipe, std::span<const float> in,
     co_await pipe->run(in, out);
 }
 
-/// One batch, timed from the call to sync_wait's return.
-double time_library(cudawait::scheduler& sched, float_pipeline& pipe, std::span<const float> in,
-                    std::span<float> out) {
-    const auto t0 = steady::now();
-    cudawait::sync_wait(sched, run_batch(&pipe, in, out));
-    return seconds(steady::now() - t0);
-}
-
 /// One batch over the first n elements of `in` into `out`, poisoned before and checked after
 /// (outside the timing).
 double checked_library_run(work w, cudawait::scheduler& sched, float_pipeline& pipe,
                            const float* in, float* out, std::size_t n, const std::string& what) {
     const std::size_t chunk = pipe.options().chunk_elements;
-    poison(w, out, n, chunk);
-    const double secs = time_library(sched, pipe, {in, n}, {out, n});
-    check_output(w, out, n, chunk, what);
+    poison(work_data(), w, out, n, chunk);
+    // Timed from the call to sync_wait's return.
+    const double secs = time_host([&] {
+        cudawait::sync_wait(sched, run_batch(&pipe, {in, n}, {out, n}));
+    });
+    check_output(work_data(), w, out, n, chunk, what);
     return secs;
 }
 
 // ---- the hand-written variants ------------------------------------------------------------------
 
-/// Streams, device slots and events of the hand-written variants, created once.
+/// The hand-written variants' resources (bench_raw_pipeline.hpp), created once per comparison:
+/// the ring with kSlots slots, and a stream of default priority for the serial variant.
 struct hand_written {
-    // Streams first: the buffers are freed on h2d, which must still exist then.
-    cudawait::stream h2d;
-    cudawait::stream compute;
-    cudawait::stream d2h;
-    cudawait::stream serial;
-    std::vector<cudawait::device_buffer<float>> din;
-    std::vector<cudawait::device_buffer<float>> dout;
-    std::vector<cudawait::event> h2d_done;
-    std::vector<cudawait::event> compute_done;
-    std::vector<cudawait::event> d2h_done;
-
-    /// The priorities the pipeline gives its streams: compute highest, copies lowest.
-    hand_written(std::size_t chunk, unsigned slots)
-        : h2d(cudawait::device_ref(0), cudawait::priority_low(cudawait::device_ref(0))),
-          compute(cudawait::device_ref(0), cudawait::priority_high(cudawait::device_ref(0))),
-          d2h(cudawait::device_ref(0), cudawait::priority_low(cudawait::device_ref(0))),
-          serial(cudawait::device_ref(0), 0) {
-        for (unsigned i = 0; i < slots; ++i) {
-            din.emplace_back(chunk, h2d);
-            dout.emplace_back(chunk, h2d);
-            h2d_done.emplace_back(cudawait::device_ref(0));
-            compute_done.emplace_back(cudawait::device_ref(0));
-            d2h_done.emplace_back(cudawait::device_ref(0));
-        }
-        h2d.sync(); // the stream-ordered allocations are usable from every stream
-    }
-    hand_written(const hand_written&) = delete;
-    hand_written& operator=(const hand_written&) = delete;
-    /// A run that threw may have left work on compute or d2h that uses the buffers, which are
-    /// freed in h2d's order only: everything finishes first.
-    ~hand_written() {
-        try {
-            sync_all();
-        } catch (const std::exception& e) {
-            std::fprintf(stderr, "pipeline_bench: %s\n", e.what());
-        }
-    }
+    raw_pipeline ring{kChunk, kSlots};
+    cudawait::stream serial{cudawait::device_ref(0), 0}; // destroyed (synchronised) first
 
     void sync_all() const {
-        h2d.sync();
-        compute.sync();
-        d2h.sync();
+        ring.sync_all();
         serial.sync();
     }
 };
 
-/// Per chunk: H2D, kernel, D2H, cudaStreamSynchronize, all on one stream.
-double time_serial(hand_written& hw, work w, const float* in, float* out, std::size_t n,
-                   std::size_t chunk) {
-    const cudaStream_t s = hw.serial.get();
-    float* din = hw.din[0].data();
-    float* dout = hw.dout[0].data();
-    const auto t0 = steady::now();
-    for (std::size_t off = 0; off < n; off += chunk) {
-        const std::size_t len = std::min(chunk, n - off);
-        check(cudaMemcpyAsync(din, in + off, len * sizeof(float), cudaMemcpyHostToDevice, s),
-              "cudaMemcpyAsync");
-        launch_work(w, din, dout, len, s);
-        check(cudaMemcpyAsync(out + off, dout, len * sizeof(float), cudaMemcpyDeviceToHost, s),
-              "cudaMemcpyAsync");
-        check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    }
-    return seconds(steady::now() - t0);
-}
-
-/// One chunk of the hand-written pipeline on slot `slot`. With `reuse` (the slot held an
-/// earlier chunk) the GPU waits for that chunk: its kernel read din before H2D overwrites it,
-/// its D2H read dout before the kernel overwrites it.
-void enqueue_raw_chunk(hand_written& hw, work w, unsigned slot, bool reuse, const float* src,
-                       float* dst, std::size_t len) {
-    float* din = hw.din[slot].data();
-    float* dout = hw.dout[slot].data();
-    if (reuse) {
-        hw.h2d.wait(hw.compute_done[slot].get());
-    }
-    check(cudaMemcpyAsync(din, src, len * sizeof(float), cudaMemcpyHostToDevice, hw.h2d.get()),
-          "cudaMemcpyAsync");
-    hw.h2d_done[slot].record(hw.h2d);
-    hw.compute.wait(hw.h2d_done[slot].get());
-    if (reuse) {
-        hw.compute.wait(hw.d2h_done[slot].get());
-    }
-    launch_work(w, din, dout, len, hw.compute.get());
-    hw.compute_done[slot].record(hw.compute);
-    hw.d2h.wait(hw.compute_done[slot].get());
-    check(cudaMemcpyAsync(dst, dout, len * sizeof(float), cudaMemcpyDeviceToHost, hw.d2h.get()),
-          "cudaMemcpyAsync");
-    hw.d2h_done[slot].record(hw.d2h);
-}
-
-/// Every chunk enqueued up front on a ring of `ring` slots; the host blocks only at the end.
-double time_raw(hand_written& hw, work w, unsigned ring, const float* in, float* out, std::size_t n,
-                std::size_t chunk) {
-    const auto t0 = steady::now();
-    std::size_t c = 0;
-    for (std::size_t off = 0; off < n; off += chunk, ++c) {
-        enqueue_raw_chunk(hw, w, static_cast<unsigned>(c % ring), c >= ring, in + off, out + off,
-                          std::min(chunk, n - off));
-    }
-    hw.d2h.sync(); // the last D2H follows every other operation
-    hw.h2d.sync();
-    hw.compute.sync();
-    return seconds(steady::now() - t0);
-}
-
-/// No kernel: n elements H2D and n elements D2H at once, on two streams, `chunk` per copy.
-double time_bidirectional(hand_written& hw, const float* in, float* out, std::size_t n,
-                          std::size_t chunk) {
-    float* din = hw.din[0].data();
-    const float* dout = hw.dout[0].data();
-    const auto t0 = steady::now();
-    for (std::size_t off = 0; off < n; off += chunk) {
-        const std::size_t bytes = std::min(chunk, n - off) * sizeof(float);
-        check(cudaMemcpyAsync(din, in + off, bytes, cudaMemcpyHostToDevice, hw.h2d.get()),
-              "cudaMemcpyAsync");
-        check(cudaMemcpyAsync(out + off, dout, bytes, cudaMemcpyDeviceToHost, hw.d2h.get()),
-              "cudaMemcpyAsync");
-    }
-    hw.h2d.sync();
-    hw.d2h.sync();
-    return seconds(steady::now() - t0);
-}
-
-/// One stage of every chunk, alone, on one stream (the slots rotate as in the pipelines).
-double time_stage_alone(hand_written& hw, stage_kind k, work w, const float* in, float* out,
-                        std::size_t n, std::size_t chunk) {
-    const cudawait::stream& s = k == stage_kind::h2d      ? hw.h2d
-                                : k == stage_kind::kernel ? hw.compute
-                                                          : hw.d2h;
-    const auto t0 = steady::now();
-    std::size_t c = 0;
-    for (std::size_t off = 0; off < n; off += chunk, ++c) {
-        const std::size_t len = std::min(chunk, n - off);
-        float* din = hw.din[c % hw.din.size()].data();
-        float* dout = hw.dout[c % hw.dout.size()].data();
-        switch (k) {
-        case stage_kind::h2d:
-            check(cudaMemcpyAsync(din, in + off, len * sizeof(float), cudaMemcpyHostToDevice,
-                                  s.get()),
-                  "cudaMemcpyAsync");
-            break;
-        case stage_kind::kernel:
-            launch_work(w, din, dout, len, s.get());
-            break;
-        case stage_kind::d2h:
-            check(cudaMemcpyAsync(out + off, dout, len * sizeof(float), cudaMemcpyDeviceToHost,
-                                  s.get()),
-                  "cudaMemcpyAsync");
-            break;
+/// A hand-written run over the first n elements (ring 0: the serial variant), poisoned before
+/// and checked after (outside the timing).
+double checked_hand_run(hand_written& hw, work w, unsigned ring, const float* in, float* out,
+                        std::size_t n, const std::string& what) {
+    poison(work_data(), w, out, n, kChunk);
+    const double secs = time_host([&] {
+        if (ring == 0) {
+            run_serial(hw.ring, hw.serial.get(), in, out, n, work_kernel{w});
+        } else {
+            hw.ring.run(in, out, n, ring, work_kernel{w});
         }
-    }
-    s.sync();
-    return seconds(steady::now() - t0);
-}
-
-/// A hand-written run over the first n elements, poisoned before and checked after.
-double checked_hand_run(hand_written& hw, work w, int ring, const float* in, float* out,
-                        std::size_t n, std::size_t chunk, const std::string& what) {
-    poison(w, out, n, chunk);
-    const double secs = ring == 0 ? time_serial(hw, w, in, out, n, chunk)
-                                  : time_raw(hw, w, static_cast<unsigned>(ring), in, out, n, chunk);
-    check_output(w, out, n, chunk, what);
+    });
+    check_output(work_data(), w, out, n, kChunk, what);
     return secs;
 }
 
 // ---- 1. light kernel: library, serial, hand-written, bound -------------------------------------
 
-/// Everything the light comparison runs on.
-struct light_setup {
-    workload* w;
-    cudawait::scheduler* sched;
-    hand_written* hw;
-    float_pipeline* library[2]; ///< depth 2, depth 3
-};
-
-double run_light_variant(light_setup& b, std::size_t v) {
-    const std::string what = std::string("light/") + kLightVariants[v];
-    const float* in = b.w->in.data();
-    float* out = b.w->out.data();
-    switch (v) {
-    case 0:
-    case 1:
-        return checked_library_run(work::light, *b.sched, *b.library[v], in, out, kTotal, what);
-    case 2:
-        return checked_hand_run(*b.hw, work::light, 0, in, out, kTotal, kChunk, what);
-    case 3:
-    case 4:
-        return checked_hand_run(*b.hw, work::light, static_cast<int>(kRawRings[v - 3]), in, out,
-                                kTotal, kChunk, what);
-    default:
-        return time_bidirectional(*b.hw, in, out, kTotal, kChunk);
-    }
-}
-
 runs_by_variant measure_light() {
     workload& w = work_data();
     cudawait::scheduler sched; // declared first: outlives the pipelines
-    hand_written hw(kChunk, kSlots);
-    const std::unique_ptr<float_pipeline> d2 =
-        make_pipeline(work::light, kLibraryDepths[0], kChunk, false, false);
-    const std::unique_ptr<float_pipeline> d3 =
-        make_pipeline(work::light, kLibraryDepths[1], kChunk, false, false);
-    light_setup b{&w, &sched, &hw, {d2.get(), d3.get()}};
-    constexpr std::size_t variants = std::size(kLightVariants);
-    for (std::size_t v = 0; v < variants; ++v) { // warm-up, checked like every run
-        (void)run_light_variant(b, v);
-    }
-    runs_by_variant runs;
-    for (std::int64_t round = 0; round < kRounds; ++round) {
-        for (std::size_t j = 0; j < variants; ++j) {
-            const std::size_t v = (static_cast<std::size_t>(round) + j) % variants;
-            runs[kLightVariants[v]].push_back(run_light_variant(b, v));
+    hand_written hw;
+    const std::unique_ptr<float_pipeline> library[] = {
+        make_pipeline(work::light, kLibraryDepths[0], kChunk, false, false),
+        make_pipeline(work::light, kLibraryDepths[1], kChunk, false, false)};
+    const float* in = w.in.data();
+    float* out = w.out.data();
+    // The warm-up runs are checked like every run.
+    runs_by_variant runs = interleaved(kRounds, kLightVariants, [&](std::size_t v) {
+        const std::string what = std::string("light/") + kLightVariants[v];
+        switch (v) {
+        case 0:
+        case 1:
+            return checked_library_run(work::light, sched, *library[v], in, out, kTotal, what);
+        case 2:
+            return checked_hand_run(hw, work::light, 0, in, out, kTotal, what);
+        case 3:
+        case 4:
+            return checked_hand_run(hw, work::light, kRawRings[v - 3], in, out, kTotal, what);
+        default:
+            return time_host([&] { copy_both_ways(hw.ring, in, out, kTotal); });
         }
-    }
+    });
     hw.sync_all();
     return runs;
 }
 
 void BM_light(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once(g_measured, "light", measure_light);
-        const std::vector<double> mine = samples_of(runs, variant);
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
-        const double rate = gbps(kTotalBytes, median(mine));
-        state.counters["GBps"] = rate;
-        g_light_gbps[variant] = rate;
+        const double secs = replay_variant(state, "light", measure_light, variant, kTotalBytes);
+        g_light_gbps[variant] = gbps(kTotalBytes, secs);
     });
 }
 
 // ---- 2. heavy kernel: library against the max-stage bound ---------------------------------------
 
-struct heavy_setup {
-    workload* w;
-    cudawait::scheduler* sched;
-    hand_written* hw;
-    float_pipeline* library;
-};
-
-double run_heavy_variant(heavy_setup& b, std::size_t v) {
-    const std::string what = std::string("heavy/") + kHeavyVariants[v];
-    const float* in = b.w->in.data();
-    float* out = b.w->out.data();
-    switch (v) {
-    case 0:
-        return checked_library_run(work::heavy, *b.sched, *b.library, in, out, kTotal, what);
-    case 1:
-        return checked_hand_run(*b.hw, work::heavy, 3, in, out, kTotal, kChunk, what);
-    case 2:
-        return time_stage_alone(*b.hw, stage_kind::h2d, work::heavy, in, out, kTotal, kChunk);
-    case 3:
-        return time_stage_alone(*b.hw, stage_kind::kernel, work::heavy, in, out, kTotal, kChunk);
-    case 4:
-        return time_stage_alone(*b.hw, stage_kind::d2h, work::heavy, in, out, kTotal, kChunk);
-    default:
-        return time_bidirectional(*b.hw, in, out, kTotal, kChunk);
-    }
-}
-
 runs_by_variant measure_heavy() {
     workload& w = work_data();
     cudawait::scheduler sched;
-    hand_written hw(kChunk, kSlots);
-    const std::unique_ptr<float_pipeline> lib =
+    hand_written hw;
+    const std::unique_ptr<float_pipeline> library =
         make_pipeline(work::heavy, kHeavyDepth, kChunk, false, false);
-    heavy_setup b{&w, &sched, &hw, lib.get()};
-    constexpr std::size_t variants = std::size(kHeavyVariants);
-    for (std::size_t v = 0; v < variants; ++v) { // warm-up; the raw run fills the device slots
-        (void)run_heavy_variant(b, v);
-    }
-    runs_by_variant runs;
-    for (std::int64_t round = 0; round < kRounds; ++round) {
-        for (std::size_t j = 0; j < variants; ++j) {
-            const std::size_t v = (static_cast<std::size_t>(round) + j) % variants;
-            runs[kHeavyVariants[v]].push_back(run_heavy_variant(b, v));
+    const float* in = w.in.data();
+    float* out = w.out.data();
+    // In the warm-up, the raw run fills the device slots.
+    runs_by_variant runs = interleaved(kRounds, kHeavyVariants, [&](std::size_t v) {
+        const std::string what = std::string("heavy/") + kHeavyVariants[v];
+        switch (v) {
+        case 0:
+            return checked_library_run(work::heavy, sched, *library, in, out, kTotal, what);
+        case 1:
+            return checked_hand_run(hw, work::heavy, 3, in, out, kTotal, what);
+        case 2:
+        case 3:
+        case 4:
+            return time_host([&] {
+                const stage st = v == 2 ? stage::h2d : v == 3 ? stage::kernel : stage::d2h;
+                run_one_stage(hw.ring, st, in, out, kTotal, work_kernel{work::heavy});
+            });
+        default:
+            return time_host([&] { copy_both_ways(hw.ring, in, out, kTotal); });
         }
-    }
+    });
     hw.sync_all();
     return runs;
 }
 
 void BM_heavy(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once(g_measured, "heavy", measure_heavy);
-        const std::vector<double> mine = samples_of(runs, variant);
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
-        const double secs = median(mine);
-        state.counters["GBps"] = gbps(kTotalBytes, secs);
+        g_heavy_s[variant] = replay_variant(state, "heavy", measure_heavy, variant, kTotalBytes);
         state.counters["heavy_K"] = g_cal.k;
-        g_heavy_s[variant] = secs;
     });
 }
 
@@ -825,62 +339,42 @@ void BM_heavy(benchmark::State& state, std::string variant) {
 
 /// Every depth of kSweepDepths, graph off and on, over the case's prefix of the workload. The
 /// two pipelines of one depth exist together; their runs alternate, the order swapping every
-/// round.
+/// round. The graph pipeline records its graphs in the warm-up.
 runs_by_variant measure_chunk_case(chunk_case c) {
     workload& w = work_data();
     cudawait::scheduler sched;
     const std::size_t n = c.total / sizeof(float);
     const std::size_t chunk = c.bytes / sizeof(float);
-    const float* in = w.in.data();
-    float* out = w.out.data();
     runs_by_variant runs;
     for (unsigned depth : kSweepDepths) {
-        const std::unique_ptr<float_pipeline> plain =
-            make_pipeline(work::light, depth, chunk, false, false);
-        const std::unique_ptr<float_pipeline> graph =
-            make_pipeline(work::light, depth, chunk, true, false);
-        const std::string kp = chunk_key(false, depth);
-        const std::string kg = chunk_key(true, depth);
-        const std::string what = "chunk/" + size_name(c.bytes) + "/";
-        // Warm-up: the graph pipeline records its graphs here.
-        (void)checked_library_run(work::light, sched, *plain, in, out, n, what + kp);
-        (void)checked_library_run(work::light, sched, *graph, in, out, n, what + kg);
-        for (std::int64_t r = 0; r < kRounds; ++r) {
-            if (r % 2 == 0) {
-                runs[kp].push_back(
-                    checked_library_run(work::light, sched, *plain, in, out, n, what + kp));
-                runs[kg].push_back(
-                    checked_library_run(work::light, sched, *graph, in, out, n, what + kg));
-            } else {
-                runs[kg].push_back(
-                    checked_library_run(work::light, sched, *graph, in, out, n, what + kg));
-                runs[kp].push_back(
-                    checked_library_run(work::light, sched, *plain, in, out, n, what + kp));
-            }
-        }
+        const std::unique_ptr<float_pipeline> pipes[] = {
+            make_pipeline(work::light, depth, chunk, false, false),
+            make_pipeline(work::light, depth, chunk, true, false)};
+        const std::string keys[] = {chunk_key(false, depth), chunk_key(true, depth)};
+        runs.merge(interleaved(kRounds, keys, [&](std::size_t v) {
+            return checked_library_run(work::light, sched, *pipes[v], w.in.data(), w.out.data(), n,
+                                       "chunk/" + size_name(c.bytes) + "/" + keys[v]);
+        }));
     }
     return runs;
 }
 
 void BM_chunk(benchmark::State& state, chunk_case c, bool graph) {
     guarded(state, [&] {
-        const runs_by_variant runs =
-            measured_once(g_measured, "chunk/" + size_name(c.bytes),
-                          [&] { return measure_chunk_case(c); });
-        const std::vector<double> mine = samples_of(runs, chunk_key(graph, c.depth));
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(c.total));
+        const std::string key = "chunk/" + size_name(c.bytes);
+        const auto measure = [&] { return measure_chunk_case(c); };
+        (void)replay_variant(state, key, measure, chunk_key(graph, c.depth), c.total);
         double best = 0;
         unsigned best_depth = 0;
         for (unsigned depth : kSweepDepths) {
-            const double rate = gbps(c.total, median(samples_of(runs, chunk_key(graph, depth))));
+            const double rate =
+                gbps(c.total, median(samples_of(g_measured.at(key), chunk_key(graph, depth))));
             g_chunk_gbps[size_name(c.bytes) + "/" + chunk_key(graph, depth)] = rate;
             if (rate > best) {
                 best = rate;
                 best_depth = depth;
             }
         }
-        state.counters["GBps"] = gbps(c.total, median(mine));
         state.counters["best_GBps"] = best;
         state.counters["best_depth"] = best_depth;
     });
@@ -898,31 +392,18 @@ runs_by_variant measure_host_memory() {
     std::vector<float> pageable_out(kTotal);
     const float* ins[] = {w.in.data(), pageable_in.data()};
     float* outs[] = {w.out.data(), pageable_out.data()};
-    for (std::size_t v = 0; v < 2; ++v) { // warm-up: staging buffers, memcpy threads
-        (void)checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
-                                  std::string("host_memory/") + kHostVariants[v]);
-    }
-    runs_by_variant runs;
-    for (std::int64_t r = 0; r < kRounds; ++r) {
-        for (std::size_t j = 0; j < 2; ++j) {
-            const std::size_t v = (static_cast<std::size_t>(r) + j) % 2;
-            runs[kHostVariants[v]].push_back(
-                checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
-                                    std::string("host_memory/") + kHostVariants[v]));
-        }
-    }
-    return runs;
+    // The warm-up creates the staging buffers and the memcpy threads.
+    return interleaved(kRounds, kHostVariants, [&](std::size_t v) {
+        return checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
+                                   std::string("host_memory/") + kHostVariants[v]);
+    });
 }
 
 void BM_host_memory(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
-        const runs_by_variant runs = measured_once(g_measured, "host_memory", measure_host_memory);
-        const std::vector<double> mine = samples_of(runs, variant);
-        replay(state, mine);
-        state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kTotalBytes));
-        const double rate = gbps(kTotalBytes, median(mine));
-        state.counters["GBps"] = rate;
-        g_host_gbps[variant] = rate;
+        const double secs =
+            replay_variant(state, "host_memory", measure_host_memory, variant, kTotalBytes);
+        g_host_gbps[variant] = gbps(kTotalBytes, secs);
     });
 }
 
@@ -966,142 +447,39 @@ void warm_up_device() {
     g_sm_count = add_device_context().multiProcessorCount;
 }
 
-/// Buffers for timing one 64 MiB chunk's operations with events.
-struct calibration_buffers {
-    cudawait::stream s; // first: the device buffers are freed on it
-    cudawait::pinned_buffer<float> host;
-    cudawait::device_buffer<float> din;
-    cudawait::device_buffer<float> dout;
-    cudawait::event start;
-    cudawait::event stop;
-
-    calibration_buffers()
-        : s(cudawait::device_ref(0), 0), host(kChunk), din(kChunk, s), dout(kChunk, s),
-          start(cudawait::device_ref(0), cudaEventDefault),
-          stop(cudawait::device_ref(0), cudaEventDefault) {
-        fill_range(host.data(), 0, kChunk);
-        check(cudaMemcpyAsync(din.data(), host.data(), kChunk * sizeof(float),
-                              cudaMemcpyHostToDevice, s.get()),
-              "cudaMemcpyAsync");
-        s.sync();
-    }
-};
-
-enum class calibration_op { h2d, d2h, light, heavy };
-
-/// Median milliseconds of `op` on one chunk, by cudaEvent timing, after one untimed run.
-double time_op_ms(calibration_buffers& b, calibration_op op, int k) {
-    std::vector<double> ms;
-    for (int rep = -1; rep < kCalibrationReps; ++rep) {
-        b.start.record(b.s);
-        switch (op) {
-        case calibration_op::h2d:
-            check(cudaMemcpyAsync(b.din.data(), b.host.data(), kChunkBytes, cudaMemcpyHostToDevice,
-                                  b.s.get()),
-                  "cudaMemcpyAsync");
-            break;
-        case calibration_op::d2h:
-            check(cudaMemcpyAsync(b.host.data(), b.dout.data(), kChunkBytes, cudaMemcpyDeviceToHost,
-                                  b.s.get()),
-                  "cudaMemcpyAsync");
-            break;
-        case calibration_op::light:
-            launch_light(b.din.data(), b.dout.data(), kChunk, b.s.get());
-            break;
-        case calibration_op::heavy:
-            launch_heavy(b.din.data(), b.dout.data(), kChunk, k, b.s.get());
-            break;
-        }
-        b.stop.record(b.s);
-        b.stop.sync();
-        float elapsed = 0;
-        check(cudaEventElapsedTime(&elapsed, b.start.get(), b.stop.get()), "cudaEventElapsedTime");
-        if (rep >= 0) {
-            ms.push_back(static_cast<double>(elapsed));
-        }
-    }
-    return median(ms);
-}
-
-/// Picks K so that the heavy kernel on one 64 MiB chunk takes as long as its H2D copy: a first
-/// launch with kCalibrationK scales K linearly, a second corrects it once.
-void calibrate_heavy() {
-    calibration_buffers b;
-    calibration c;
-    c.h2d_ms = time_op_ms(b, calibration_op::h2d, 0);
-    c.d2h_ms = time_op_ms(b, calibration_op::d2h, 0);
-    c.light_ms = time_op_ms(b, calibration_op::light, 0);
-    int k = kCalibrationK;
-    for (int pass = 0; pass < 2; ++pass) {
-        const double ms = time_op_ms(b, calibration_op::heavy, k);
-        k = std::max(1, static_cast<int>(std::lround(k * c.h2d_ms / ms)));
-    }
-    c.k = k;
-    c.heavy_ms = time_op_ms(b, calibration_op::heavy, k);
-    b.s.sync();
-    g_cal = c;
-    benchmark::AddCustomContext("heavy_K", std::to_string(c.k));
+/// Registers a benchmark that reports manual times in milliseconds.
+template <class... Args>
+void register_manual(const std::string& name, std::int64_t iterations, Args&&... args) {
+    benchmark::RegisterBenchmark(name.c_str(), std::forward<Args>(args)...)
+        ->UseManualTime()
+        ->Iterations(iterations)
+        ->Unit(benchmark::kMillisecond);
 }
 
 void register_benchmarks() {
-    using benchmark::RegisterBenchmark;
     // 1. and 2. Each iteration is one 4 GiB run (measured, for all variants at once, by the
     // first benchmark of the group).
     for (const char* v : kLightVariants) {
-        RegisterBenchmark((std::string("BM_light/") + v).c_str(), &BM_light, std::string(v))
-            ->UseManualTime()
-            ->Iterations(kRounds)
-            ->Unit(benchmark::kMillisecond);
+        register_manual(std::string("BM_light/") + v, kRounds, &BM_light, std::string(v));
     }
     for (const char* v : kHeavyVariants) {
-        RegisterBenchmark((std::string("BM_heavy/") + v).c_str(), &BM_heavy, std::string(v))
-            ->UseManualTime()
-            ->Iterations(kRounds)
-            ->Unit(benchmark::kMillisecond);
+        register_manual(std::string("BM_heavy/") + v, kRounds, &BM_heavy, std::string(v));
     }
     // 3. Each iteration is one run at the case's specified depth.
     for (const chunk_case& c : kChunkCases) {
         for (bool graph : {false, true}) {
-            const std::string name =
-                "BM_chunk/" + size_name(c.bytes) + (graph ? "/graph" : "/plain");
-            RegisterBenchmark(name.c_str(), &BM_chunk, c, graph)
-                ->UseManualTime()
-                ->Iterations(kRounds)
-                ->Unit(benchmark::kMillisecond);
+            register_manual("BM_chunk/" + size_name(c.bytes) + (graph ? "/graph" : "/plain"),
+                            kRounds, &BM_chunk, c, graph);
         }
     }
     // 4. Each iteration is one 4 GiB run.
     for (const char* v : kHostVariants) {
-        RegisterBenchmark((std::string("BM_host_memory/") + v).c_str(), &BM_host_memory,
-                          std::string(v))
-            ->UseManualTime()
-            ->Iterations(kRounds)
-            ->Unit(benchmark::kMillisecond);
+        register_manual(std::string("BM_host_memory/") + v, kRounds, &BM_host_memory,
+                        std::string(v));
     }
     // 5. One iteration: the timed run.
-    for (auto [name, wk] : {std::pair{"BM_stats_timing/light", work::light},
-                            std::pair{"BM_stats_timing/heavy", work::heavy}}) {
-        RegisterBenchmark(name, &BM_stats_timing, wk)
-            ->UseManualTime()
-            ->Iterations(1)
-            ->Unit(benchmark::kMillisecond);
-    }
-}
-
-/// "  <label> <ratio>   target >= <t>: ok|MISSED", or "-" when either side is missing.
-void print_ratio(const char* label, std::optional<double> num, std::optional<double> den,
-                 std::optional<double> target) {
-    std::printf("  %-52s", label);
-    if (!num || !den || *den <= 0.0) {
-        std::printf(" %7s\n", "-");
-        return;
-    }
-    const double r = *num / *den;
-    if (target) {
-        std::printf(" %7.3f   target >= %.2f: %s\n", r, *target, verdict(r >= *target));
-    } else {
-        std::printf(" %7.3f\n", r);
-    }
+    register_manual("BM_stats_timing/light", 1, &BM_stats_timing, work::light);
+    register_manual("BM_stats_timing/heavy", 1, &BM_stats_timing, work::heavy);
 }
 
 void print_calibration() {
@@ -1117,18 +495,18 @@ void print_calibration() {
                 g_cal.heavy_ms, g_cal.heavy_ms / g_cal.h2d_ms);
 }
 
-/// The better of the two depths (GB/s and the variant's name).
-std::optional<std::pair<double, std::string>> best_of(const std::map<std::string, double>& m,
-                                                      const char* a, const char* b) {
-    const auto va = find(m, a);
-    const auto vb = find(m, b);
-    if (!va && !vb) {
-        return std::nullopt;
-    }
+/// The better of two variants: its GB/s and name, or no GB/s and `none` when neither was measured.
+struct best_variant {
+    std::optional<double> gbps;
+    std::string name;
+};
+best_variant best_of(const char* a, const char* b, const char* none) {
+    const auto va = find(g_light_gbps, a);
+    const auto vb = find(g_light_gbps, b);
     if (va && (!vb || *va >= *vb)) {
-        return std::pair{*va, std::string(a)};
+        return {va, a};
     }
-    return std::pair{*vb, std::string(b)};
+    return vb ? best_variant{vb, b} : best_variant{std::nullopt, none};
 }
 
 void print_light_summary() {
@@ -1140,39 +518,25 @@ void print_light_summary() {
                 static_cast<long long>(kRounds));
     for (const char* v : kLightVariants) {
         const auto rate = find(g_light_gbps, v);
-        std::printf("  %-22s", v);
-        print_cell(rate, 8, 2);
-        std::printf(" GB/s");
-        print_cell(rate ? std::optional<double>(static_cast<double>(kTotalBytes) / *rate * 1e-6)
-                        : std::nullopt,
-                   9, 1);
-        std::printf(" ms\n");
+        const auto ms = map_value(rate, [](double r) { return kTotalBytes / r * 1e-6; });
+        print_row(v, 22, {{rate, 8, 2, " GB/s"}, {ms, 9, 1, " ms"}});
     }
     const auto bound = find(g_light_gbps, "bidirectional_bound");
     const auto serial = find(g_light_gbps, "serial");
-    const auto raw = best_of(g_light_gbps, "raw_ring2", "raw_ring3");
-    const std::optional<double> raw_rate = raw ? std::optional<double>(raw->first) : std::nullopt;
+    const best_variant raw = best_of("raw_ring2", "raw_ring3", "raw");
     std::printf("  ratios per depth (for information): %-16s %10s %10s\n", "/ bound", "/ raw best",
                 "/ serial");
     for (const char* v : {"library_depth2", "library_depth3"}) {
         const auto lib = find(g_light_gbps, v);
-        std::printf("    %-34s", v);
-        for (std::optional<double> den : {bound, raw_rate, serial}) {
-            if (lib && den && *den > 0.0) {
-                std::printf(" %10.3f", *lib / *den);
-            } else {
-                std::printf(" %10s", "-");
-            }
-        }
-        std::printf("\n");
+        print_row(std::string("  ") + v, 36,
+                  {{ratio_of(lib, bound), 10, 3},
+                   {ratio_of(lib, raw.gbps), 10, 3},
+                   {ratio_of(lib, serial), 10, 3}});
     }
-    const auto lib = best_of(g_light_gbps, "library_depth2", "library_depth3");
-    const std::optional<double> lib_rate = lib ? std::optional<double>(lib->first) : std::nullopt;
-    const std::string lib_name = lib ? lib->second : std::string("library");
-    const std::string raw_name = raw ? raw->second : std::string("raw");
-    print_ratio((lib_name + " / bidirectional_bound").c_str(), lib_rate, bound, kBoundTarget);
-    print_ratio((lib_name + " / " + raw_name).c_str(), lib_rate, raw_rate, kRawTarget);
-    print_ratio((lib_name + " / serial").c_str(), lib_rate, serial, kSerialTarget);
+    const best_variant lib = best_of("library_depth2", "library_depth3", "library");
+    print_ratio(lib.name + " / bidirectional_bound", lib.gbps, bound, kBoundTarget);
+    print_ratio(lib.name + " / " + raw.name, lib.gbps, raw.gbps, kRawTarget);
+    print_ratio(lib.name + " / serial", lib.gbps, serial, kSerialTarget);
 }
 
 void print_heavy_summary() {
@@ -1184,11 +548,9 @@ void print_heavy_summary() {
                 g_cal.k, kHeavyDepth, static_cast<long long>(kRounds));
     for (const char* v : kHeavyVariants) {
         const auto s = find(g_heavy_s, v);
-        std::printf("  %-22s", v);
-        print_cell(s ? std::optional<double>(*s * 1e3) : std::nullopt, 9, 1);
-        std::printf(" ms");
-        print_cell(s ? std::optional<double>(gbps(kTotalBytes, *s)) : std::nullopt, 8, 2);
-        std::printf(" GB/s\n");
+        print_row(v, 22,
+                  {{map_value(s, [](double x) { return x * 1e3; }), 9, 1, " ms"},
+                   {map_value(s, [](double x) { return gbps(kTotalBytes, x); }), 8, 2, " GB/s"}});
     }
     const auto lib = find(g_heavy_s, "library_depth3");
     const auto h2d = find(g_heavy_s, "h2d_alone");
@@ -1281,9 +643,7 @@ void print_chunk_summary() {
                     c.depth);
         print_cell(spec.plain, 9, 2);
         print_cell(spec.graph, 9, 2);
-        print_cell(spec.best && ref_specified ? std::optional<double>(*spec.best / *ref_specified)
-                                              : std::nullopt,
-                   9, 3);
+        print_cell(ratio_of(spec.best, ref_specified), 9, 3);
         std::printf(" |");
         for (auto [v, d] :
              {std::pair{best.plain, best.plain_depth}, std::pair{best.graph, best.graph_depth}}) {
@@ -1293,9 +653,7 @@ void print_chunk_summary() {
                 std::printf(" %14s", "-");
             }
         }
-        print_cell(best.best && ref_best ? std::optional<double>(*best.best / *ref_best)
-                                         : std::nullopt,
-                   9, 3);
+        print_cell(ratio_of(best.best, ref_best), 9, 3);
         std::printf("\n");
     }
     print_ratio("1 MiB / 64 MiB, better of plain and graph, specified depths", target_specified,
@@ -1312,9 +670,7 @@ void print_host_memory_summary() {
                 "of %lld interleaved runs)\n",
                 kHostMemoryDepth, static_cast<long long>(kRounds));
     for (const char* v : kHostVariants) {
-        std::printf("  %-22s", v);
-        print_cell(find(g_host_gbps, v), 8, 2);
-        std::printf(" GB/s\n");
+        print_row(v, 22, {{find(g_host_gbps, v), 8, 2, " GB/s"}});
     }
     print_ratio("pageable / pinned (for information)", find(g_host_gbps, "pageable"),
                 find(g_host_gbps, "pinned"), std::nullopt);
@@ -1373,7 +729,7 @@ int main(int argc, char** argv) {
         argc, argv, "pipeline_bench", "every benchmark here moves data to and from a GPU",
         [] {
             bench::warm_up_device();
-            bench::calibrate_heavy();
+            bench::calibrate_heavy(bench::kChunk);
         },
         bench::register_benchmarks,
         [] {
