@@ -3,6 +3,7 @@
 // NVTX headers before it would define weakly.
 #include "nvtx_recorder.hpp"
 // The rest.
+#include <cudawait/mapped_buffer.hpp>
 #include <cudawait/pipeline.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
