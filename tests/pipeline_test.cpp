@@ -822,6 +822,85 @@ TEST_F(pipeline_gpu, a_failed_chunk_whose_fallback_throws_reaches_run_and_leaks_
     EXPECT_EQ(first_mismatch(got, want), n);
 }
 
+// The same with staged (pageable) ranges and in graph mode, where the failing launch is the
+// capture of a slot's graph: chunks 0 and 1 are in flight when chunk 2's fallback throws. Every
+// chunk's output is whole or untouched (staged outputs of drained chunks stay in the slots), no
+// event stays out of the pool, and the pipeline runs the next batch right.
+TEST_F(pipeline_gpu, a_throwing_fallback_with_chunks_in_flight_leaks_no_event_in_any_mode) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 6;
+    auto data = random_words(n, 32);
+    auto want = expected(data, chunk);
+    struct mode {
+        bool pinned;
+        bool graph;
+    };
+    for (mode m : {mode{false, false}, mode{false, true}, mode{true, true}}) {
+        SCOPED_TRACE(std::string(m.pinned ? "pinned" : "pageable") + (m.graph ? ", graph" : ""));
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.graph = m.graph;
+        o.max_retries = 0;
+        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        // Stage calls: one per chunk in plain mode, one per slot's capture in graph mode; either
+        // way call 2 is chunk 2's.
+        auto calls = std::make_shared<int>(0);
+        pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                     if ((*calls)++ == 2) {
+                         cudawait::check(cudawait::testing::launch_bad_config(s.get()),
+                                         "launch_bad_config");
+                     }
+                     cudawait::check(cudawait::testing::launch_transform(
+                                         a.data(), b.data(), a.size(), salt, 2'000'000, s.get()),
+                                     "launch_transform");
+                 }},
+                 [](std::size_t c, std::span<const u32>, std::span<u32>) {
+                     throw std::runtime_error("fallback refused chunk " + std::to_string(c));
+                 });
+        pinned_buffer<u32> pin(n);
+        pinned_buffer<u32> pout(n);
+        copy_into(pin, data);
+        std::vector<u32> out(n, 0xdeadbeefu);
+        std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+        const long before = cudawait::event_pool::for_device(0).outstanding();
+        cudawait::scheduler sched;
+        try {
+            if (m.pinned) {
+                cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            } else {
+                cudawait::sync_wait(sched, p.run(data, out));
+            }
+            ADD_FAILURE() << "no exception";
+        } catch (const pipeline_error& e) {
+            ADD_FAILURE() << "the fallback's exception was replaced: " << e.what();
+        } catch (const std::runtime_error& e) {
+            EXPECT_STREQ(e.what(), "fallback refused chunk 2");
+        }
+        EXPECT_EQ(cudawait::event_pool::for_device(0).outstanding(), before)
+            << "the events of the chunks in flight were not given back";
+        if (m.pinned) {
+            out.assign(pout.begin(), pout.end());
+        }
+        for (std::size_t c = 0; c < 6; ++c) {
+            bool whole = std::equal(want.begin() + c * chunk, want.begin() + (c + 1) * chunk,
+                                    out.begin() + c * chunk);
+            bool untouched = std::all_of(out.begin() + c * chunk, out.begin() + (c + 1) * chunk,
+                                         [](u32 x) { return x == 0xdeadbeefu; });
+            if (c < 2 && m.pinned) {
+                EXPECT_TRUE(whole) << "chunk " << c << " landed before run() passed the error on";
+            } else if (c < 2) {
+                EXPECT_TRUE(whole || untouched) << "chunk " << c;
+            } else {
+                EXPECT_TRUE(untouched) << "chunk " << c << " was written";
+            }
+        }
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(data, out));
+        EXPECT_EQ(first_mismatch(out, want), n) << "the next batch";
+    }
+}
+
 TEST_F(pipeline_gpu,
        a_failed_chunk_whose_fallback_throws_in_streaming_reaches_next_and_frees_its_slot) {
     const std::size_t chunk = 10'000;

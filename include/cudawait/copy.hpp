@@ -75,23 +75,16 @@ public:
         m_chunks = (n + m_chunk - 1) / m_chunk;
         std::size_t depth = std::clamp<std::size_t>(opt.depth, 2, 64);
         depth = std::min(depth, m_chunks);
-        m_events_pool = &event_pool::for_device(s.device());
+        event_pool& events = event_pool::for_device(s.device());
         m_slots.reserve(depth);
-        try {
-            for (std::size_t i = 0; i < depth; ++i) {
-                slot sl;
-                sl.buffer = pinned_buffer<std::byte>(m_chunk, pool);
-                sl.event = m_events_pool->acquire_raw();
-                m_slots.push_back(std::move(sl));
-            }
-        } catch (...) {
-            release();
-            throw;
+        for (std::size_t i = 0; i < depth; ++i) {
+            // Nothing is in flight yet: a throw here gives every chunk and event straight back.
+            m_slots.push_back({pinned_buffer<std::byte>(m_chunk, pool), events.acquire()});
         }
     }
     staged_copy(const staged_copy&) = delete;
     staged_copy& operator=(const staged_copy&) = delete;
-    ~staged_copy() { release(); }
+    ~staged_copy() { release_buffers(); }
 
     /// Progress without waiting; the event to wait on next, or nullptr when the copy needs no
     /// more host work (host to device: all enqueued; device to host: all written).
@@ -99,24 +92,26 @@ public:
 
     /// The event recorded after the last chunk's DMA (host to device).
     [[nodiscard]] cudaEvent_t last_event() const {
-        return m_slots[(m_chunks - 1) % m_slots.size()].event;
+        return m_slots[(m_chunks - 1) % m_slots.size()].event.get();
     }
 
 private:
     struct slot {
         pinned_buffer<std::byte> buffer;
-        cudaEvent_t event = nullptr;
+        pooled_event event; // back to the pool with the slot
     };
 
     [[nodiscard]] std::size_t length(std::size_t chunk) const noexcept {
         return std::min(m_chunk, m_bytes - chunk * m_chunk);
     }
 
-    static bool ready(cudaEvent_t e) { return event_ready(e, std::source_location::current()); }
+    static bool ready(const pooled_event& e) {
+        return event_ready(e.get(), std::source_location::current());
+    }
 
     void dma(void* dst, const void* src, std::size_t len, slot& sl) {
         check(cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, m_stream.get()), "cudaMemcpyAsync");
-        check(cudaEventRecord(sl.event, m_stream.get()), "cudaEventRecord");
+        sl.event.record(m_stream);
         m_in_flight = true;
     }
 
@@ -124,7 +119,7 @@ private:
         while (m_next < m_chunks) {
             slot& sl = m_slots[m_next % m_slots.size()];
             if (m_next >= m_slots.size() && !ready(sl.event)) {
-                return sl.event; // its previous chunk is still being transferred
+                return sl.event.get(); // its previous chunk is still being transferred
             }
             std::size_t off = m_next * m_chunk;
             std::size_t len = length(m_next);
@@ -149,7 +144,7 @@ private:
             }
             slot& sl = m_slots[m_next % m_slots.size()];
             if (!ready(sl.event)) {
-                return sl.event;
+                return sl.event.get();
             }
             std::size_t off = m_next * m_chunk;
             memcpy_workers::instance().copy(m_dst + off, sl.buffer.data(), length(m_next));
@@ -158,8 +153,9 @@ private:
     }
 
     // Chunks whose DMA may still run go back to the pool marked with a use on the stream, so
-    // nothing is handed out while the copy engine still reads or writes it.
-    void release() noexcept {
+    // nothing is handed out while the copy engine still reads or writes it. (The events go back
+    // with the slots: a later record of a reused event replaces this copy's.)
+    void release_buffers() noexcept {
         for (slot& sl : m_slots) {
             if (m_in_flight && sl.buffer) {
                 try {
@@ -169,10 +165,6 @@ private:
                 }
             }
             sl.buffer.reset();
-            if (sl.event != nullptr) {
-                m_events_pool->release_raw(sl.event);
-                sl.event = nullptr;
-            }
         }
     }
 
@@ -187,7 +179,6 @@ private:
     std::size_t m_next = 0;     ///< next chunk to fill (to device) or to drain (from device)
     std::size_t m_enqueued = 0; ///< chunks whose DMA is enqueued (from device)
     bool m_in_flight = false;
-    event_pool* m_events_pool = nullptr;
     std::vector<slot> m_slots;
 };
 

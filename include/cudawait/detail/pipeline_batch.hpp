@@ -190,27 +190,22 @@ private:
         }
         slot& sl = *k.slots[s];
         flight f = k.make_flight(c, c * k.options.chunk_elements, in.size(), s);
-        try {
-            const In* src = in.data();
-            Out* dst = out.data();
-            if (!b.runahead()) {
-                sl.ensure_host_buffers(k.options, *k.pool);
-            }
-            if (!b.pinned_in) {
-                // The slot's previous chunk has retired (in flight <= depth), so its H2D is done.
-                trace_range r("stage-in", c);
-                memcpy_workers::instance().copy(sl.host_in.data(), in.data(), in.size_bytes());
-                src = sl.host_in.data();
-            }
-            if (!b.pinned_out) {
-                dst = sl.host_out.data();
-                f.staged_out = out.data();
-            }
-            k.enqueue(f, src, dst);
-        } catch (...) {
-            event_pool::for_device(k.options.device).release_raw(f.done);
-            throw;
+        const In* src = in.data();
+        Out* dst = out.data();
+        if (!b.runahead()) {
+            sl.ensure_host_buffers(k.options, *k.pool);
         }
+        if (!b.pinned_in) {
+            // The slot's previous chunk has retired (in flight <= depth), so its H2D is done.
+            trace_range r("stage-in", c);
+            memcpy_workers::instance().copy(sl.host_in.data(), in.data(), in.size_bytes());
+            src = sl.host_in.data();
+        }
+        if (!b.pinned_out) {
+            dst = sl.host_out.data();
+            f.staged_out = out.data();
+        }
+        k.enqueue(f, src, dst);
         b.busy[s] = true;
         b.inflight.push_back(std::move(f));
     }
@@ -231,12 +226,12 @@ private:
     void abandon_gpu(batch& b, const std::string& why) {
         core& k = m_core;
         k.gpu_abandoned = true;
-        // Every event goes back before any fallback runs: one that throws leaves none out.
+        // The flights leave the batch before any fallback runs; their events go back with them,
+        // also when a fallback throws.
         std::deque<flight> lost;
         lost.swap(b.inflight);
         for (flight& f : lost) {
             b.busy[f.slot] = false;
-            event_pool::for_device(k.options.device).release_raw(f.done);
         }
         for (flight& f : lost) {
             k.report_degradation(
@@ -267,10 +262,8 @@ private:
             } catch (...) {
                 landed = false; // not known to have landed
             }
-            if (landed) {
-                event_pool::for_device(k.options.device).release_raw(f.done);
-            } else {
-                k.abandoned_events.push_back(f.done);
+            if (!landed) {
+                k.abandoned_events.push_back(std::move(f.done));
             }
             b.busy[f.slot] = false;
             b.inflight.pop_front();
@@ -303,7 +296,6 @@ private:
         if (error.empty()) {
             finish(b, f);
             b.busy[f.slot] = false;
-            event_pool::for_device(k.options.device).release_raw(f.done);
             b.inflight.pop_front();
             co_return;
         }
@@ -329,7 +321,7 @@ private:
         for (flight& g : lost) {
             b.state[g.chunk] = chunk_state::failed;
             ++stats.failed_chunks;
-            k.abandoned_events.push_back(g.done);
+            k.abandoned_events.push_back(std::move(g.done));
         }
         for (flight& g : lost) {
             k.report_degradation(g, 2, "failed (timed out; its copy may still land)", error);

@@ -137,7 +137,8 @@ struct pipeline_slot {
     slot_graph graph;
 };
 
-/// A chunk in flight: which part of the input, on which slot, and its completion event.
+/// A chunk in flight: which part of the input, on which slot, and its completion event (back to
+/// the pool when the record goes, or moved to pipeline_core::abandoned_events). Move-only.
 template <class In, class Out>
 struct pipeline_flight {
     std::size_t chunk = 0;
@@ -145,7 +146,7 @@ struct pipeline_flight {
     std::size_t count = 0;
     std::size_t output_count = 0;
     std::size_t slot = 0;
-    cudaEvent_t done = nullptr;
+    pooled_event done;
     std::size_t timing_set = 0;
     bool timed = false;
     bool by_fallback = false;
@@ -174,7 +175,8 @@ struct pipeline_core {
           on_gpu_failure(std::move(f)),
           pool(options.pool != nullptr ? options.pool : &default_pinned_pool()),
           h2d(device_ref(options.device), transfer_priority()),
-          d2h(device_ref(options.device), transfer_priority()), compute(make_compute_streams()),
+          d2h(device_ref(options.device), transfer_priority()),
+          events(event_pool::for_device(options.device)), compute(make_compute_streams()),
           slots(make_slots()), monitor(options, runahead_factor * options.depth) {
         for (std::size_t i = 0; i < slots.size(); ++i) {
             free_slots.push_back(i);
@@ -186,12 +188,8 @@ struct pipeline_core {
     }
     pipeline_core(const pipeline_core&) = delete;
     pipeline_core& operator=(const pipeline_core&) = delete;
-    ~pipeline_core() {
-        synchronize();
-        for (cudaEvent_t e : abandoned_events) {
-            event_pool::for_device(options.device).release_raw(e);
-        }
-    }
+    /// The streams are synchronised before the slots, and the abandoned events, go.
+    ~pipeline_core() { synchronize(); }
 
     /// Waits for every stream the slots' work ran on (before buffers and events go).
     void synchronize() noexcept {
@@ -228,7 +226,7 @@ struct pipeline_core {
         if (monitor.timing()) {
             f.timing_set = monitor.next_set();
         }
-        f.done = event_pool::for_device(options.device).acquire_raw();
+        f.done = events.acquire();
         return f;
     }
 
@@ -291,7 +289,7 @@ struct pipeline_core {
                 (*t)[m::d2h_end].record(d2h);
             }
             sl.d2h_done.record(d2h);
-            check(cudaEventRecord(f.done, d2h.get()), "cudaEventRecord");
+            f.done.record(d2h);
         }
     }
 
@@ -328,12 +326,13 @@ struct pipeline_core {
     pinned_pool* pool = nullptr;
     stream h2d;
     stream d2h;
+    event_pool& events; ///< the device's pool, for the flights' completion events
     std::vector<stream> compute;
     std::vector<std::unique_ptr<slot>> slots;
     pipeline_monitor monitor;
     /// Events of chunks given up while their work may still complete: out of the pool until
     /// destruction (a late completion must not signal a reused event).
-    std::vector<cudaEvent_t> abandoned_events;
+    std::vector<pooled_event> abandoned_events;
     unsigned active_depth = 1; ///< slots in use (lowered by level-1 degradation)
     std::size_t compute_next = 0;
     bool gpu_abandoned = false;
@@ -452,7 +451,7 @@ private:
         sl.h2d_done.record(gs);
         sl.compute_done.record(gs);
         sl.d2h_done.record(gs);
-        check(cudaEventRecord(f.done, gs.get()), "cudaEventRecord");
+        f.done.record(gs);
     }
 };
 

@@ -113,12 +113,9 @@ public:
     explicit pipeline_stream(core& c) noexcept : m_core(c) {}
     pipeline_stream(const pipeline_stream&) = delete;
     pipeline_stream& operator=(const pipeline_stream&) = delete;
-    /// The streams must have been synchronised (pipeline_core::synchronize).
-    ~pipeline_stream() {
-        for (auto& f : m_submitted) {
-            event_pool::for_device(m_core.options.device).release_raw(f.done);
-        }
-    }
+    /// The streams must have been synchronised (pipeline_core::synchronize) before the queued
+    /// chunks' events go back to the pool.
+    ~pipeline_stream() = default;
 
     /// See pipeline::acquire.
     [[nodiscard]] task<input_slot> acquire() {
@@ -174,7 +171,7 @@ public:
             f.enqueue_error = e.what();
             f.sticky = e.sticky();
         }
-        m_submitted.push_back(f);
+        m_submitted.push_back(std::move(f));
         m_result_ready.notify_all();
     }
 
@@ -194,7 +191,7 @@ public:
                 co_return std::nullopt; // another consumer took the end of this one's session
             }
         }
-        flight f = m_submitted.front();
+        flight f = std::move(m_submitted.front());
         m_submitted.pop_front();
         m_slot_freed.notify_all(); // the queue has room again
         std::string error = f.enqueue_error;
@@ -210,7 +207,6 @@ public:
         } else if (k.gpu_abandoned && error.empty()) {
             error = "the GPU was abandoned after an earlier error";
         }
-        event_pool::for_device(k.options.device).release_raw(f.done);
         slot& sl = *k.slots[f.slot];
         if (error.empty()) {
             k.chunk_done(f);
