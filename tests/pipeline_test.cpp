@@ -20,6 +20,8 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -129,6 +131,43 @@ TEST(pipeline, a_failed_batch_error_counts_the_chunks_it_lists) {
     EXPECT_STREQ(e.what(), "pipeline: 2 of 12 chunks failed");
     EXPECT_EQ(e.failed(), (std::vector<std::size_t>{2, 5}));
     EXPECT_EQ(e.completed().size(), 10u);
+}
+
+TEST(pipeline, every_degradation_level_and_action_has_its_name) {
+    using cudawait::degrade_action;
+    using cudawait::degrade_level;
+    using cudawait::to_string;
+    EXPECT_EQ(to_string(degrade_level::retry), "retry");
+    EXPECT_EQ(to_string(degrade_level::give_up), "give_up");
+    EXPECT_EQ(static_cast<int>(degrade_level::retry), 1);
+    EXPECT_EQ(static_cast<int>(degrade_level::give_up), 2);
+    const std::pair<degrade_action, std::string_view> actions[] = {
+        {degrade_action::retried_with_less_depth, "retried_with_less_depth"},
+        {degrade_action::waited_again, "waited_again"},
+        {degrade_action::fallback, "fallback"},
+        {degrade_action::failed, "failed"},
+        {degrade_action::gpu_lost, "gpu_lost"},
+        {degrade_action::fallback_after_gpu_lost, "fallback_after_gpu_lost"},
+        {degrade_action::failed_after_gpu_lost, "failed_after_gpu_lost"},
+        {degrade_action::failed_timed_out, "failed_timed_out"},
+    };
+    for (auto [action, name] : actions) {
+        EXPECT_EQ(to_string(action), name);
+    }
+    static_assert(to_string(degrade_action::waited_again) == "waited_again");
+}
+
+TEST(pipeline, a_default_chunk_error_is_no_failure) {
+    cudawait::chunk_error e;
+    EXPECT_FALSE(e.failed());
+    e.status = cudaErrorInvalidValue;
+    EXPECT_TRUE(e.failed());
+    cudawait::chunk_error t;
+    t.timed_out = true;
+    EXPECT_TRUE(t.failed());
+    cudawait::chunk_error m;
+    m.what = "the GPU was abandoned after an earlier error";
+    EXPECT_TRUE(m.failed());
 }
 
 TEST(pipeline, without_a_device_construction_is_a_cuda_error) {
@@ -473,10 +512,34 @@ TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
     EXPECT_EQ(st.retries, 1u);
     EXPECT_EQ(st.depth, 2u);
     ASSERT_EQ(log.size(), 1u);
-    EXPECT_EQ(log[0].level, 1);
-    EXPECT_EQ(log[0].chunk, 3u);
-    EXPECT_EQ(log[0].offset, 3 * chunk);
-    EXPECT_NE(log[0].error.find("launch_bad_config"), std::string::npos) << log[0].error;
+    const cudawait::chunk_failure& f = log[0];
+    EXPECT_EQ(f.level, cudawait::degrade_level::retry);
+    EXPECT_EQ(f.action, cudawait::degrade_action::retried_with_less_depth);
+    EXPECT_EQ(f.chunk, 3u);
+    EXPECT_EQ(f.offset, 3 * chunk);
+    EXPECT_EQ(f.elements, chunk);
+    EXPECT_EQ(f.output_elements, chunk);
+    EXPECT_EQ(f.input_bytes, chunk * sizeof(u32));
+    EXPECT_EQ(f.output_bytes, chunk * sizeof(u32));
+    EXPECT_EQ(f.depth, 2u) << "the depth after the step";
+    EXPECT_EQ(f.compute_streams, 1u);
+    EXPECT_EQ(f.device, 0);
+    EXPECT_FALSE(f.graph);
+    // The typed error: the bad launch's own status, not sticky, not a timeout.
+    EXPECT_EQ(f.error.status, cudaErrorInvalidConfiguration) << f.error.what;
+    EXPECT_FALSE(f.error.sticky);
+    EXPECT_FALSE(f.error.timed_out);
+    EXPECT_FALSE(f.error.exception);
+    EXPECT_NE(f.error.what.find("launch_bad_config"), std::string::npos) << f.error.what;
+    // Where it ran and on which data (pageable ranges: the chunk in the caller's vectors).
+    EXPECT_EQ(f.h2d_stream, p.h2d_stream().get());
+    EXPECT_EQ(f.compute_stream, p.compute_stream(0).get());
+    EXPECT_EQ(f.d2h_stream, p.d2h_stream().get());
+    EXPECT_EQ(f.host_in, static_cast<const void*>(in.data() + 3 * chunk));
+    EXPECT_EQ(f.host_out, static_cast<const void*>(out.data() + 3 * chunk));
+    EXPECT_NE(f.device_in, nullptr);
+    EXPECT_NE(f.device_out, nullptr);
+    EXPECT_NE(f.device_in, f.device_out);
 }
 
 TEST_F(pipeline_gpu, a_chunk_that_keeps_failing_goes_to_the_fallback_exactly_once) {
@@ -567,8 +630,16 @@ TEST_F(pipeline_gpu, a_timeout_lowers_concurrency_and_the_gpu_still_delivers) {
     EXPECT_GE(st.retries, 2u);
     EXPECT_EQ(st.depth, 1u);
     ASSERT_FALSE(log.empty());
-    EXPECT_EQ(log.front().level, 1);
-    EXPECT_EQ(log.front().chunk, 2u);
+    for (const cudawait::chunk_failure& f : log) {
+        EXPECT_EQ(f.level, cudawait::degrade_level::retry);
+        EXPECT_EQ(f.action, cudawait::degrade_action::waited_again);
+        EXPECT_EQ(f.chunk, 2u);
+        EXPECT_TRUE(f.error.timed_out);
+        EXPECT_EQ(f.error.status, cudaSuccess) << "no CUDA call failed";
+        EXPECT_FALSE(f.error.sticky);
+        ASSERT_TRUE(f.error.exception);
+        EXPECT_THROW(std::rethrow_exception(f.error.exception), cudawait::timeout_error);
+    }
 }
 
 TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fallback) {
@@ -583,7 +654,8 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     o.depth = 2;
     o.chunk_timeout = 30ms;
     o.max_retries = 1;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    std::vector<cudawait::chunk_failure> log;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     const u32* flag = release_flag.device_data();
     pipe_t p(o, {[calls, flag](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
                  if ((*calls)++ == 1) { // chunk 1 waits for the host: "hangs"
@@ -611,6 +683,19 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     // Chunk 1 hung, chunk 2 was queued behind it: both failed; 0 was done; 3.. on the host.
     EXPECT_EQ(failed, (std::vector<std::size_t>{1, 2}));
     EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{3, 4, 5}));
+    // One wait again for chunk 1, then chunks 1 and 2 given up as timed out.
+    std::vector<std::pair<std::size_t, cudawait::degrade_action>> steps;
+    for (const cudawait::chunk_failure& f : log) {
+        steps.emplace_back(f.chunk, f.action);
+        EXPECT_TRUE(f.error.timed_out) << "chunk " << f.chunk;
+        EXPECT_EQ(f.level, f.action == cudawait::degrade_action::waited_again
+                               ? cudawait::degrade_level::retry
+                               : cudawait::degrade_level::give_up);
+    }
+    EXPECT_EQ(steps, (std::vector<std::pair<std::size_t, cudawait::degrade_action>>{
+                         {1, cudawait::degrade_action::waited_again},
+                         {1, cudawait::degrade_action::failed_timed_out},
+                         {2, cudawait::degrade_action::failed_timed_out}}));
     auto st = p.stats();
     EXPECT_TRUE(st.gpu_abandoned);
     EXPECT_EQ(st.gpu_chunks + st.fallback_chunks + st.failed_chunks, 6u);

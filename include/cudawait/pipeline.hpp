@@ -55,6 +55,10 @@
 // callback) reaches the caller of run() or next(); run() first waits for the chunks still in
 // flight, so that no copy lands in the caller's memory after it returned (one that outlives
 // chunk_timeout meanwhile may still land, as above).
+// Each step is reported to `on_degrade` (default: one line on stderr) as a chunk_failure: the
+// degrade_level (retry, give_up) and degrade_action, the typed chunk_error (CUDA status, sticky,
+// timed out), and what a post-mortem needs: the chunk, the configuration, the streams and the
+// chunk's host and device pointers.
 //
 // How a chunk flows (batch), file by file:
 //   1. pipeline.hpp                  run() checks the ranges and classifies their memory

@@ -6,7 +6,10 @@
 //                     timeouts, callbacks, staging pool)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   pipeline_alert    passed to on_alert when achieved bandwidth stays low
-//   chunk_failure     passed to on_degrade for each degradation step
+//   chunk_failure     passed to on_degrade for each degradation step: the chunk, the
+//                     configuration, streams and data pointers, the level and action
+//                     (degrade_level, degrade_action; to_string names them) and the error
+//   chunk_error       what went wrong: CUDA status, sticky, timed out, or another exception
 //   pipeline_error    a batch (or a streamed chunk) failed and no fallback took over
 //
 // The value types of pipeline.hpp, on their own so that the pipeline's parts (detail/
@@ -14,12 +17,16 @@
 
 #include <chrono>
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
+
+#include <cuda_runtime_api.h>
 
 namespace cudawait {
 
@@ -33,19 +40,109 @@ struct pipeline_alert {
     std::size_t window;    ///< chunks in the window
 };
 
+/// What went wrong with a chunk.
+struct chunk_error {
+    /// The CUDA status of a failed CUDA call (a launch, a copy, an await that saw a device
+    /// error); cudaSuccess when no CUDA call failed (a timeout, a chunk not tried because the
+    /// GPU was abandoned earlier).
+    cudaError_t status = cudaSuccess;
+    /// The status left the context unusable: the GPU is not used again.
+    bool sticky = false;
+    /// The chunk did not complete within pipeline_options::chunk_timeout.
+    bool timed_out = false;
+    /// A non-CUDA exception behind the failure (the timeout_error of a timeout), else null.
+    std::exception_ptr exception;
+    /// The message, for printing.
+    std::string what;
+
+    /// True when this describes a failure (a default-constructed chunk_error does not).
+    [[nodiscard]] bool failed() const noexcept {
+        return status != cudaSuccess || timed_out || exception != nullptr || !what.empty();
+    }
+};
+
+/// How far a degradation step went.
+enum class degrade_level {
+    retry = 1,  ///< level 1: the chunk is tried (or waited for) again with less concurrency
+    give_up = 2 ///< level 2: the chunk goes to the fallback or is reported failed
+};
+
+/// What the pipeline did about a failed chunk.
+enum class degrade_action {
+    retried_with_less_depth, ///< a failed enqueue: retried with one slot fewer (level 1)
+    waited_again,            ///< a timeout: waited for again with one slot fewer (level 1)
+    fallback,                ///< handed to the fallback (level 2)
+    failed,                  ///< no fallback: reported failed (level 2)
+    gpu_lost,                ///< a sticky error while enqueuing: the GPU is abandoned (level 2)
+    fallback_after_gpu_lost, ///< in flight when the GPU was lost: handed to the fallback
+    failed_after_gpu_lost,   ///< in flight when the GPU was lost, no fallback: failed
+    /// Timed out past max_retries, or in flight behind such a chunk: failed; its copy may still
+    /// land, so the fallback does not write it (level 2).
+    failed_timed_out
+};
+
+/// The enumerator's name, e.g. "give_up".
+[[nodiscard]] constexpr std::string_view to_string(degrade_level l) noexcept {
+    switch (l) {
+    case degrade_level::retry:
+        return "retry";
+    case degrade_level::give_up:
+        return "give_up";
+    }
+    return "unknown";
+}
+
+/// The enumerator's name, e.g. "waited_again".
+[[nodiscard]] constexpr std::string_view to_string(degrade_action a) noexcept {
+    switch (a) {
+    case degrade_action::retried_with_less_depth:
+        return "retried_with_less_depth";
+    case degrade_action::waited_again:
+        return "waited_again";
+    case degrade_action::fallback:
+        return "fallback";
+    case degrade_action::failed:
+        return "failed";
+    case degrade_action::gpu_lost:
+        return "gpu_lost";
+    case degrade_action::fallback_after_gpu_lost:
+        return "fallback_after_gpu_lost";
+    case degrade_action::failed_after_gpu_lost:
+        return "failed_after_gpu_lost";
+    case degrade_action::failed_timed_out:
+        return "failed_timed_out";
+    }
+    return "unknown";
+}
+
 /// One degradation step, passed to pipeline_options::on_degrade (default: printed to stderr).
+/// It carries what a post-mortem needs: where the chunk is, how the pipeline was configured,
+/// the streams and the data pointers of the chunk, and the typed error.
 struct chunk_failure {
-    std::size_t chunk;    ///< chunk index within the run (or submission index)
-    std::size_t offset;   ///< first input element of the chunk
-    std::size_t elements; ///< input elements in the chunk
-    std::size_t output_elements;
-    unsigned depth; ///< slots in use when it failed
-    unsigned compute_streams;
-    int device;
-    bool graph;
-    int level;          ///< 1: retried with less concurrency; 2: fallback or failed
-    std::string action; ///< what the pipeline did about it
-    std::string error;  ///< what went wrong
+    std::size_t chunk = 0;           ///< chunk index within the run (or submission index)
+    std::size_t offset = 0;          ///< first input element of the chunk (0 when streaming)
+    std::size_t elements = 0;        ///< input elements in the chunk
+    std::size_t output_elements = 0; ///< output elements of the chunk
+    std::size_t input_bytes = 0;
+    std::size_t output_bytes = 0;
+    unsigned depth = 0; ///< slots in use after this step
+    unsigned compute_streams = 0;
+    int device = 0;
+    bool graph = false; ///< the pipeline replays CUDA graphs (pipeline_options::graph)
+    /// The streams of the chunk's copies and stages (a replayed graph's: its slot's stream for
+    /// all three; the compute stream is null when the chunk failed before one was chosen).
+    cudaStream_t h2d_stream = nullptr;
+    cudaStream_t compute_stream = nullptr;
+    cudaStream_t d2h_stream = nullptr;
+    /// The chunk's host input and output (in the caller's ranges, or the streaming slot's), and
+    /// its slot's device buffers.
+    const void* host_in = nullptr;
+    const void* host_out = nullptr;
+    const void* device_in = nullptr;
+    const void* device_out = nullptr;
+    degrade_level level = degrade_level::retry;
+    degrade_action action = degrade_action::failed;
+    chunk_error error; ///< what went wrong
 };
 
 /// How a pipeline is built; chunk_elements is required.

@@ -74,23 +74,18 @@ public:
                 std::size_t limit =
                     b.runahead() ? core::runahead_factor * k.active_depth : k.active_depth;
                 if (next < n && b.inflight.size() < limit) {
-                    std::string error;
-                    bool sticky = false;
+                    flight f; // describes the chunk also when starting it fails
+                    chunk_error error;
                     try {
-                        start_chunk(b, next);
+                        start_chunk(b, next, f);
                         ++next;
                         continue;
                     } catch (const cuda_error& e) {
-                        error = e.what();
-                        sticky = e.sticky();
+                        error = chunk_error_of(e);
                     }
-                    flight f;
-                    f.chunk = next;
-                    f.offset = next * k.options.chunk_elements;
-                    f.count = chunk_in(b, next).size();
-                    f.output_count = k.output_count(f.count);
-                    if (sticky) {
-                        k.report_degradation(f, 2, "GPU lost", error);
+                    if (error.sticky) {
+                        k.report_degradation(f, degrade_level::give_up, degrade_action::gpu_lost,
+                                             error);
                         abandon_gpu(b, error);
                         continue;
                     }
@@ -101,13 +96,14 @@ public:
                             co_await retire(b);
                         }
                         k.active_depth = std::max(1u, k.active_depth - 1);
-                        k.report_degradation(
-                            f, 1, "retrying with depth " + std::to_string(k.active_depth), error);
+                        k.report_degradation(f, degrade_level::retry,
+                                             degrade_action::retried_with_less_depth, error);
                         continue;
                     }
-                    k.report_degradation(
-                        f, 2, k.on_gpu_failure ? "handed to the fallback" : "failed (no fallback)",
-                        error);
+                    k.report_degradation(f, degrade_level::give_up,
+                                         k.on_gpu_failure ? degrade_action::fallback
+                                                          : degrade_action::failed,
+                                         error);
                     run_fallback(b, next++);
                     continue;
                 }
@@ -172,8 +168,9 @@ private:
         ++stats.fallback_chunks;
     }
 
-    // Starts chunk c on the GPU (staging its input if needed).
-    void start_chunk(batch& b, std::size_t c) {
+    // Starts chunk c on the GPU (staging its input if needed) as `f`, which describes the chunk
+    // also when this throws.
+    void start_chunk(batch& b, std::size_t c, flight& f) {
         core& k = m_core;
         std::span<const In> in = chunk_in(b, c);
         std::span<Out> out = chunk_out(b, c);
@@ -189,7 +186,14 @@ private:
             }
         }
         slot& sl = *k.slots[s];
-        flight f = k.make_flight(c, c * k.options.chunk_elements, in.size(), s);
+        f.chunk = c;
+        f.offset = c * k.options.chunk_elements;
+        f.count = in.size();
+        f.output_count = out.size();
+        f.slot = s;
+        f.host_in = in.data();
+        f.host_out = out.data();
+        k.start_flight(f);
         const In* src = in.data();
         Out* dst = out.data();
         if (!b.runahead()) {
@@ -223,7 +227,7 @@ private:
     }
 
     // The context is gone: nothing in flight can complete or write any more.
-    void abandon_gpu(batch& b, const std::string& why) {
+    void abandon_gpu(batch& b, const chunk_error& why) {
         core& k = m_core;
         k.gpu_abandoned = true;
         // The flights leave the batch before any fallback runs; their events go back with them,
@@ -234,9 +238,10 @@ private:
             b.busy[f.slot] = false;
         }
         for (flight& f : lost) {
-            k.report_degradation(
-                f, 2, k.on_gpu_failure ? "handed to the fallback (GPU lost)" : "failed (GPU lost)",
-                why);
+            k.report_degradation(f, degrade_level::give_up,
+                                 k.on_gpu_failure ? degrade_action::fallback_after_gpu_lost
+                                                  : degrade_action::failed_after_gpu_lost,
+                                 why);
             run_fallback(b, f.chunk);
         }
     }
@@ -275,8 +280,7 @@ private:
         core& k = m_core;
         pipeline_stats& stats = k.monitor.counters();
         flight& f = b.inflight.front();
-        std::string error;
-        bool sticky = false;
+        chunk_error error;
         {
             // Spans the await: a start/end range, which other coroutines' ranges cannot close.
             trace_async_range r("wait", f.chunk);
@@ -287,19 +291,21 @@ private:
                     co_await event_ref(f.done);
                 }
             } catch (const timeout_error& e) {
-                error = e.what();
+                error.timed_out = true;
+                error.exception = std::current_exception();
+                error.what = e.what();
             } catch (const cuda_error& e) {
-                error = e.what();
-                sticky = true; // an error seen while waiting comes from the device: context lost
+                error = chunk_error_of(e);
+                error.sticky = true; // an error seen while waiting comes from the device: lost
             }
         }
-        if (error.empty()) {
+        if (!error.failed()) {
             finish(b, f);
             b.busy[f.slot] = false;
             b.inflight.pop_front();
             co_return;
         }
-        if (sticky) {
+        if (error.sticky) {
             abandon_gpu(b, error);
             co_return;
         }
@@ -308,8 +314,7 @@ private:
         if (++b.attempts[f.chunk] <= k.options.max_retries) {
             ++stats.retries;
             k.active_depth = std::max(1u, k.active_depth - 1);
-            k.report_degradation(
-                f, 1, "waiting again; depth lowered to " + std::to_string(k.active_depth), error);
+            k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);
             co_return;
         }
         // Level 2: the GPU may still write these chunks' outputs later, so neither the fallback
@@ -324,7 +329,8 @@ private:
             k.abandoned_events.push_back(std::move(g.done));
         }
         for (flight& g : lost) {
-            k.report_degradation(g, 2, "failed (timed out; its copy may still land)", error);
+            k.report_degradation(g, degrade_level::give_up, degrade_action::failed_timed_out,
+                                 error);
         }
     }
 

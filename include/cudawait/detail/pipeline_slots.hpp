@@ -42,6 +42,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -149,11 +150,17 @@ struct pipeline_flight {
     pooled_event done;
     std::size_t timing_set = 0;
     bool timed = false;
-    bool by_fallback = false;
-    bool sticky = false;
-    std::string enqueue_error;
-    Out* staged_out = nullptr; // batch with pageable output: copy from the slot here
+    chunk_error error;           // streaming: the enqueue failed (next() reports it in order)
+    const In* host_in = nullptr; // the chunk in the caller's range or the streaming slot
+    Out* host_out = nullptr;
+    Out* staged_out = nullptr;             // batch with pageable output: copy from the slot here
+    cudaStream_t compute_stream = nullptr; // plain path: the compute stream it took
 };
+
+/// A cuda_error as a chunk_error.
+inline chunk_error chunk_error_of(const cuda_error& e) {
+    return chunk_error{e.status(), e.sticky(), false, nullptr, e.what()};
+}
 
 /// What both drivers share: the options, stages and fallback, the streams, the slots, the
 /// monitor, and the state of degradation and of the session rule.
@@ -214,20 +221,13 @@ struct pipeline_core {
                options.chunk_elements;
     }
 
-    /// A chunk record with its completion event.
+    /// Gives `f` (its chunk, counts and slot set) a timing set and a completion event.
     /// @throws cuda_error
-    flight make_flight(std::size_t chunk, std::size_t offset, std::size_t count, std::size_t s) {
-        flight f;
-        f.chunk = chunk;
-        f.offset = offset;
-        f.count = count;
-        f.output_count = output_count(count);
-        f.slot = s;
+    void start_flight(flight& f) {
         if (monitor.timing()) {
             f.timing_set = monitor.next_set();
         }
         f.done = events.acquire();
-        return f;
     }
 
     /// Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
@@ -259,6 +259,7 @@ struct pipeline_core {
         }
         {
             trace_range r("compute", f.chunk);
+            f.compute_stream = cs.get();
             cs.wait(sl.h2d_done.get());
             cs.wait(sl.d2h_done.get()); // the previous chunk's D2H read dev_out
             if (f.timed) {
@@ -302,22 +303,51 @@ struct pipeline_core {
     }
 
     /// Tells on_degrade (default: stderr) what happened to `f` and what was done about it.
-    void report_degradation(const flight& f, int level, const std::string& action,
-                            const std::string& error) {
-        chunk_failure c{f.chunk,        f.offset,      f.count,
-                        f.output_count, active_depth,  options.compute_streams,
-                        options.device, options.graph, level,
-                        action,         error};
+    /// @throws what on_degrade throws
+    void report_degradation(const flight& f, degrade_level level, degrade_action action,
+                            const chunk_error& error) {
+        const slot& sl = *slots[f.slot];
+        chunk_failure c;
+        c.chunk = f.chunk;
+        c.offset = f.offset;
+        c.elements = f.count;
+        c.output_elements = f.output_count;
+        c.input_bytes = f.count * sizeof(In);
+        c.output_bytes = f.output_count * sizeof(Out);
+        c.depth = active_depth;
+        c.compute_streams = options.compute_streams;
+        c.device = options.device;
+        c.graph = options.graph;
+        if (options.graph && f.count == options.chunk_elements) {
+            c.h2d_stream = c.compute_stream = c.d2h_stream = sl.graph_stream.get();
+        } else {
+            c.h2d_stream = h2d.get();
+            c.compute_stream = f.compute_stream;
+            c.d2h_stream = d2h.get();
+        }
+        c.host_in = f.host_in;
+        c.host_out = f.host_out;
+        c.device_in = sl.dev_in.data();
+        c.device_out = sl.dev_out.data();
+        c.level = level;
+        c.action = action;
+        c.error = error;
         if (options.on_degrade) {
             options.on_degrade(c);
-        } else {
-            std::fprintf(stderr,
-                         "cudawait pipeline: chunk %zu (elements %zu..%zu, %zu out) level %d: %s; "
-                         "depth %u, %u compute stream(s), device %d%s: %s\n",
-                         c.chunk, c.offset, c.offset + c.elements, c.output_elements, c.level,
-                         c.action.c_str(), c.depth, c.compute_streams, c.device,
-                         c.graph ? ", graph" : "", c.error.c_str());
+            return;
         }
+        std::string_view lv = to_string(c.level);
+        std::string_view act = to_string(c.action);
+        std::fprintf(stderr,
+                     "cudawait pipeline: chunk %zu (elements %zu..%zu, %zu out) %.*s: %.*s; "
+                     "depth %u, %u compute stream(s), device %d%s; streams h2d %p compute %p "
+                     "d2h %p; host %p -> %p, device %p -> %p: %s\n",
+                     c.chunk, c.offset, c.offset + c.elements, c.output_elements,
+                     static_cast<int>(lv.size()), lv.data(), static_cast<int>(act.size()),
+                     act.data(), c.depth, c.compute_streams, c.device, c.graph ? ", graph" : "",
+                     static_cast<void*>(c.h2d_stream), static_cast<void*>(c.compute_stream),
+                     static_cast<void*>(c.d2h_stream), c.host_in, c.host_out, c.device_in,
+                     c.device_out, c.error.what.c_str());
     }
 
     pipeline_options options;

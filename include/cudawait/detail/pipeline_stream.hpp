@@ -162,14 +162,19 @@ public:
         std::size_t i = s.m_index;
         s.m_owner = nullptr;
         slot& sl = *k.slots[i];
-        flight f = k.make_flight(m_stream_seq++, 0, count, i);
-        f.by_fallback = false;
+        flight f;
+        f.chunk = m_stream_seq++;
+        f.count = count;
+        f.output_count = k.output_count(count);
+        f.slot = i;
+        f.host_in = sl.host_in.data();
+        f.host_out = sl.host_out.data();
+        k.start_flight(f);
         try {
             k.enqueue(f, sl.host_in.data(), sl.host_out.data());
         } catch (const cuda_error& e) {
             // The chunk is still delivered in order: next() runs the fallback (or reports it).
-            f.enqueue_error = e.what();
-            f.sticky = e.sticky();
+            f.error = chunk_error_of(e);
         }
         m_submitted.push_back(std::move(f));
         m_result_ready.notify_all();
@@ -194,36 +199,36 @@ public:
         flight f = std::move(m_submitted.front());
         m_submitted.pop_front();
         m_slot_freed.notify_all(); // the queue has room again
-        std::string error = f.enqueue_error;
-        bool sticky = f.sticky;
-        if (error.empty() && !k.gpu_abandoned) {
+        chunk_error error = std::move(f.error);
+        if (!error.failed() && !k.gpu_abandoned) {
             trace_async_range r("wait", f.chunk);
             try {
                 co_await event_ref(f.done);
             } catch (const cuda_error& e) {
-                error = e.what();
-                sticky = e.sticky();
+                error = chunk_error_of(e);
             }
-        } else if (k.gpu_abandoned && error.empty()) {
-            error = "the GPU was abandoned after an earlier error";
+        } else if (k.gpu_abandoned && !error.failed()) {
+            error.what = "the GPU was abandoned after an earlier error";
         }
         slot& sl = *k.slots[f.slot];
-        if (error.empty()) {
+        if (!error.failed()) {
             k.chunk_done(f);
             ++stats.gpu_chunks;
             ++stats.chunks;
             co_return result(this, f.slot, f.chunk, f.output_count, false);
         }
-        if (sticky) {
+        if (error.sticky) {
             k.gpu_abandoned = true;
         }
-        k.report_degradation(
-            f, 2, k.on_gpu_failure ? "handed to the fallback" : "failed (no fallback)", error);
+        k.report_degradation(f, degrade_level::give_up,
+                             k.on_gpu_failure ? degrade_action::fallback : degrade_action::failed,
+                             error);
         ++stats.chunks;
         if (!k.on_gpu_failure) {
             ++stats.failed_chunks;
             give_back(f.slot);
-            throw pipeline_error("pipeline: chunk " + std::to_string(f.chunk) + " failed: " + error,
+            throw pipeline_error("pipeline: chunk " + std::to_string(f.chunk) +
+                                     " failed: " + error.what,
                                  {}, {f.chunk});
         }
         try {
