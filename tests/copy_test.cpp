@@ -6,6 +6,8 @@
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/when_all.hpp>
 
+#include <cudawait/detail/staging.hpp>
+
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
 #include "test_kernels.hpp"
@@ -63,6 +65,21 @@ TEST(copy, mismatched_sizes_zero_sizes_null_and_overlap_are_usage_errors) {
     EXPECT_THROW(copy_async(std::span<int>(a.data() + 2, 5), std::span<const int>(a.data(), 5), s), usage_error);
     pinned_buffer<int> moved_from;
     EXPECT_THROW(copy_async(moved_from, a, s), usage_error);
+}
+
+// The host half of staging (detail/staging.hpp), shared by staged copies and the pipeline: every
+// byte arrives, for sizes below one worker's part, at it, and split over several workers.
+TEST(copy, staging_in_and_out_copies_every_byte) {
+    for (std::size_t n : {std::size_t{1}, std::size_t{4099}, 1_MiB, 5 * 1_MiB + 3}) {
+        SCOPED_TRACE(n);
+        auto src = random_bytes(n, n);
+        std::vector<std::uint8_t> staged(n, 0xa5);
+        std::vector<std::uint8_t> back(n, 0x5a);
+        cudawait::detail::stage_in(staged.data(), src.data(), n, 0);
+        EXPECT_EQ(staged, src);
+        cudawait::detail::stage_out(back.data(), staged.data(), n, 1);
+        EXPECT_EQ(back, src);
+    }
 }
 
 TEST(copy, without_a_device_is_a_cuda_error) {

@@ -63,13 +63,15 @@
 // How a chunk flows (batch), file by file:
 //   1. pipeline.hpp                  run() checks the ranges and classifies their memory
 //                                    (memory_kind.hpp), then hands them to the batch driver.
-//   2. detail/pipeline_batch.hpp     start_chunk() picks a slot, stages pageable input into the
-//                                    slot's pinned buffer (detail/parallel_memcpy.hpp).
+//   2. detail/pipeline_batch.hpp     start_chunk() picks a slot; pageable input is staged into
+//                                    the slot's pinned buffer by stage_in (detail/staging.hpp,
+//                                    the same staging copy() uses).
 //   3. detail/pipeline_slots.hpp     enqueue(): H2D, the stages, D2H on their streams, ordered by
 //                                    the slot's events; or the slot's CUDA graph (graph.hpp).
 //   4. detail/pipeline_batch.hpp     retire() co_awaits the chunk's completion event (with
 //                                    chunk_timeout: with_timeout), degrading on errors;
-//                                    finish() stages pageable output out of the slot.
+//                                    finish() stages pageable output out of the slot
+//                                    (stage_out, detail/staging.hpp).
 //   5. detail/pipeline_monitor.hpp   the chunk's bytes and stage times go into stats() and alerts.
 // Streaming takes the same path through detail/pipeline_stream.hpp (submit() enqueues, next()
 // awaits), with the slot's pinned buffers as the producer's input and the consumer's output.

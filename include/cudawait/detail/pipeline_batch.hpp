@@ -12,8 +12,8 @@
 #include <cudawait/task.hpp>
 #include <cudawait/trace.hpp>
 
-#include <cudawait/detail/parallel_memcpy.hpp>
 #include <cudawait/detail/pipeline_slots.hpp>
+#include <cudawait/detail/staging.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -201,8 +201,7 @@ private:
         }
         if (!b.pinned_in) {
             // The slot's previous chunk has retired (in flight <= depth), so its H2D is done.
-            trace_range r("stage-in", c);
-            memcpy_workers::instance().copy(sl.host_in.data(), in.data(), in.size_bytes());
+            stage_in(sl.host_in.data(), in.data(), in.size_bytes(), c);
             src = sl.host_in.data();
         }
         if (!b.pinned_out) {
@@ -217,9 +216,8 @@ private:
     // The oldest chunk in flight completed on the GPU: its output goes in place.
     void finish(batch& b, flight& f) {
         if (f.staged_out != nullptr) {
-            trace_range r("stage-out", f.chunk);
-            memcpy_workers::instance().copy(f.staged_out, m_core.slots[f.slot]->host_out.data(),
-                                            f.output_count * sizeof(Out));
+            stage_out(f.staged_out, m_core.slots[f.slot]->host_out.data(),
+                      f.output_count * sizeof(Out), f.chunk);
         }
         m_core.chunk_done(f);
         b.state[f.chunk] = chunk_state::gpu;
