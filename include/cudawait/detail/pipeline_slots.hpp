@@ -268,8 +268,10 @@ struct pipeline_core {
             try {
                 launch_stages(sl, f.count, f.output_count, cs, true);
             } catch (...) {
-                // Whatever the stages did launch must finish before the slot is reused.
-                (void)cudaEventRecord(sl.compute_done.get(), cs.get());
+                // Whatever the stages did launch must finish before the slot is reused. The
+                // stage's exception is the one that goes on; a failed record is reported.
+                detail::report(cudaEventRecord(sl.compute_done.get(), cs.get()),
+                               "cudaEventRecord");
                 throw;
             }
             if (f.timed) {
