@@ -6,6 +6,8 @@
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/when_all.hpp>
 
+#include <cudawait/detail/staging.hpp>
+
 #include "gpu_fixture.hpp"
 #include "host_pool.hpp"
 #include "no_device.hpp"
@@ -140,6 +142,20 @@ TEST(copy, a_user_range_that_states_its_memory_is_believed_and_its_pool_is_used)
                      copy_options{&own});
     EXPECT_EQ(plan.dst_pool, &own) << "the staging pool owns the block";
     own.deallocate(block);
+
+// The host half of staging (detail/staging.hpp), shared by staged copies and the pipeline: every
+// byte arrives, for sizes below one worker's part, at it, and split over several workers.
+TEST(copy, staging_in_and_out_copies_every_byte) {
+    for (std::size_t n : {std::size_t{1}, std::size_t{4099}, 1_MiB, 5 * 1_MiB + 3}) {
+        SCOPED_TRACE(n);
+        auto src = random_bytes(n, n);
+        std::vector<std::uint8_t> staged(n, 0xa5);
+        std::vector<std::uint8_t> back(n, 0x5a);
+        cudawait::detail::stage_in(staged.data(), src.data(), n, 0);
+        EXPECT_EQ(staged, src);
+        cudawait::detail::stage_out(back.data(), staged.data(), n, 1);
+        EXPECT_EQ(back, src);
+    }
 }
 
 TEST(copy, without_a_device_is_a_cuda_error) {

@@ -3,6 +3,7 @@
 // NVTX headers before it would define weakly.
 #include "nvtx_recorder.hpp"
 // The rest.
+#include <cudawait/mapped_buffer.hpp>
 #include <cudawait/pipeline.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
@@ -19,6 +20,8 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -128,6 +131,43 @@ TEST(pipeline, a_failed_batch_error_counts_the_chunks_it_lists) {
     EXPECT_STREQ(e.what(), "pipeline: 2 of 12 chunks failed");
     EXPECT_EQ(e.failed(), (std::vector<std::size_t>{2, 5}));
     EXPECT_EQ(e.completed().size(), 10u);
+}
+
+TEST(pipeline, every_degradation_level_and_action_has_its_name) {
+    using cudawait::degrade_action;
+    using cudawait::degrade_level;
+    using cudawait::to_string;
+    EXPECT_EQ(to_string(degrade_level::retry), "retry");
+    EXPECT_EQ(to_string(degrade_level::give_up), "give_up");
+    EXPECT_EQ(static_cast<int>(degrade_level::retry), 1);
+    EXPECT_EQ(static_cast<int>(degrade_level::give_up), 2);
+    const std::pair<degrade_action, std::string_view> actions[] = {
+        {degrade_action::retried_with_less_depth, "retried_with_less_depth"},
+        {degrade_action::waited_again, "waited_again"},
+        {degrade_action::fallback, "fallback"},
+        {degrade_action::failed, "failed"},
+        {degrade_action::gpu_lost, "gpu_lost"},
+        {degrade_action::fallback_after_gpu_lost, "fallback_after_gpu_lost"},
+        {degrade_action::failed_after_gpu_lost, "failed_after_gpu_lost"},
+        {degrade_action::failed_timed_out, "failed_timed_out"},
+    };
+    for (auto [action, name] : actions) {
+        EXPECT_EQ(to_string(action), name);
+    }
+    static_assert(to_string(degrade_action::waited_again) == "waited_again");
+}
+
+TEST(pipeline, a_default_chunk_error_is_no_failure) {
+    cudawait::chunk_error e;
+    EXPECT_FALSE(e.failed());
+    e.status = cudaErrorInvalidValue;
+    EXPECT_TRUE(e.failed());
+    cudawait::chunk_error t;
+    t.timed_out = true;
+    EXPECT_TRUE(t.failed());
+    cudawait::chunk_error m;
+    m.what = "the GPU was abandoned after an earlier error";
+    EXPECT_TRUE(m.failed());
 }
 
 TEST(pipeline, without_a_device_construction_is_a_cuda_error) {
@@ -463,10 +503,34 @@ TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
     EXPECT_EQ(st.retries, 1u);
     EXPECT_EQ(st.depth, 2u);
     ASSERT_EQ(log.size(), 1u);
-    EXPECT_EQ(log[0].level, 1);
-    EXPECT_EQ(log[0].chunk, 3u);
-    EXPECT_EQ(log[0].offset, 3 * chunk);
-    EXPECT_NE(log[0].error.find("launch_bad_config"), std::string::npos) << log[0].error;
+    const cudawait::chunk_failure& f = log[0];
+    EXPECT_EQ(f.level, cudawait::degrade_level::retry);
+    EXPECT_EQ(f.action, cudawait::degrade_action::retried_with_less_depth);
+    EXPECT_EQ(f.chunk, 3u);
+    EXPECT_EQ(f.offset, 3 * chunk);
+    EXPECT_EQ(f.elements, chunk);
+    EXPECT_EQ(f.output_elements, chunk);
+    EXPECT_EQ(f.input_bytes, chunk * sizeof(u32));
+    EXPECT_EQ(f.output_bytes, chunk * sizeof(u32));
+    EXPECT_EQ(f.depth, 2u) << "the depth after the step";
+    EXPECT_EQ(f.compute_streams, 1u);
+    EXPECT_EQ(f.device, 0);
+    EXPECT_FALSE(f.graph);
+    // The typed error: the bad launch's own status, not sticky, not a timeout.
+    EXPECT_EQ(f.error.status, cudaErrorInvalidConfiguration) << f.error.what;
+    EXPECT_FALSE(f.error.sticky);
+    EXPECT_FALSE(f.error.timed_out);
+    EXPECT_FALSE(f.error.exception);
+    EXPECT_NE(f.error.what.find("launch_bad_config"), std::string::npos) << f.error.what;
+    // Where it ran and on which data (pageable ranges: the chunk in the caller's vectors).
+    EXPECT_EQ(f.h2d_stream, p.h2d_stream().get());
+    EXPECT_EQ(f.compute_stream, p.compute_stream(0).get());
+    EXPECT_EQ(f.d2h_stream, p.d2h_stream().get());
+    EXPECT_EQ(f.host_in, static_cast<const void*>(in.data() + 3 * chunk));
+    EXPECT_EQ(f.host_out, static_cast<const void*>(out.data() + 3 * chunk));
+    EXPECT_NE(f.device_in, nullptr);
+    EXPECT_NE(f.device_out, nullptr);
+    EXPECT_NE(f.device_in, f.device_out);
 }
 
 TEST_F(pipeline_gpu, a_chunk_that_keeps_failing_goes_to_the_fallback_exactly_once) {
@@ -557,8 +621,16 @@ TEST_F(pipeline_gpu, a_timeout_lowers_concurrency_and_the_gpu_still_delivers) {
     EXPECT_GE(st.retries, 2u);
     EXPECT_EQ(st.depth, 1u);
     ASSERT_FALSE(log.empty());
-    EXPECT_EQ(log.front().level, 1);
-    EXPECT_EQ(log.front().chunk, 2u);
+    for (const cudawait::chunk_failure& f : log) {
+        EXPECT_EQ(f.level, cudawait::degrade_level::retry);
+        EXPECT_EQ(f.action, cudawait::degrade_action::waited_again);
+        EXPECT_EQ(f.chunk, 2u);
+        EXPECT_TRUE(f.error.timed_out);
+        EXPECT_EQ(f.error.status, cudaSuccess) << "no CUDA call failed";
+        EXPECT_FALSE(f.error.sticky);
+        ASSERT_TRUE(f.error.exception);
+        EXPECT_THROW(std::rethrow_exception(f.error.exception), cudawait::timeout_error);
+    }
 }
 
 TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fallback) {
@@ -573,7 +645,8 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     o.depth = 2;
     o.chunk_timeout = 30ms;
     o.max_retries = 1;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    std::vector<cudawait::chunk_failure> log;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     const u32* flag = release_flag.device_data();
     pipe_t p(o, {[calls, flag](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
                  if ((*calls)++ == 1) { // chunk 1 waits for the host: "hangs"
@@ -601,6 +674,19 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     // Chunk 1 hung, chunk 2 was queued behind it: both failed; 0 was done; 3.. on the host.
     EXPECT_EQ(failed, (std::vector<std::size_t>{1, 2}));
     EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{3, 4, 5}));
+    // One wait again for chunk 1, then chunks 1 and 2 given up as timed out.
+    std::vector<std::pair<std::size_t, cudawait::degrade_action>> steps;
+    for (const cudawait::chunk_failure& f : log) {
+        steps.emplace_back(f.chunk, f.action);
+        EXPECT_TRUE(f.error.timed_out) << "chunk " << f.chunk;
+        EXPECT_EQ(f.level, f.action == cudawait::degrade_action::waited_again
+                               ? cudawait::degrade_level::retry
+                               : cudawait::degrade_level::give_up);
+    }
+    EXPECT_EQ(steps, (std::vector<std::pair<std::size_t, cudawait::degrade_action>>{
+                         {1, cudawait::degrade_action::waited_again},
+                         {1, cudawait::degrade_action::failed_timed_out},
+                         {2, cudawait::degrade_action::failed_timed_out}}));
     auto st = p.stats();
     EXPECT_TRUE(st.gpu_abandoned);
     EXPECT_EQ(st.gpu_chunks + st.fallback_chunks + st.failed_chunks, 6u);
@@ -810,6 +896,85 @@ TEST_F(pipeline_gpu, a_failed_chunk_whose_fallback_throws_reaches_run_and_leaks_
     cudawait::sync_wait(sched, p.run(in.span(), out.span()));
     std::vector<u32> got(out.begin(), out.end());
     EXPECT_EQ(first_mismatch(got, want), n);
+}
+
+// The same with staged (pageable) ranges and in graph mode, where the failing launch is the
+// capture of a slot's graph: chunks 0 and 1 are in flight when chunk 2's fallback throws. Every
+// chunk's output is whole or untouched (staged outputs of drained chunks stay in the slots), no
+// event stays out of the pool, and the pipeline runs the next batch right.
+TEST_F(pipeline_gpu, a_throwing_fallback_with_chunks_in_flight_leaks_no_event_in_any_mode) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 6;
+    auto data = random_words(n, 32);
+    auto want = expected(data, chunk);
+    struct mode {
+        bool pinned;
+        bool graph;
+    };
+    for (mode m : {mode{false, false}, mode{false, true}, mode{true, true}}) {
+        SCOPED_TRACE(std::string(m.pinned ? "pinned" : "pageable") + (m.graph ? ", graph" : ""));
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.graph = m.graph;
+        o.max_retries = 0;
+        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        // Stage calls: one per chunk in plain mode, one per slot's capture in graph mode; either
+        // way call 2 is chunk 2's.
+        auto calls = std::make_shared<int>(0);
+        pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                     if ((*calls)++ == 2) {
+                         cudawait::check(cudawait::testing::launch_bad_config(s.get()),
+                                         "launch_bad_config");
+                     }
+                     cudawait::check(cudawait::testing::launch_transform(
+                                         a.data(), b.data(), a.size(), salt, 2'000'000, s.get()),
+                                     "launch_transform");
+                 }},
+                 [](std::size_t c, std::span<const u32>, std::span<u32>) {
+                     throw std::runtime_error("fallback refused chunk " + std::to_string(c));
+                 });
+        pinned_buffer<u32> pin(n);
+        pinned_buffer<u32> pout(n);
+        copy_into(pin, data);
+        std::vector<u32> out(n, 0xdeadbeefu);
+        std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+        const long before = cudawait::event_pool::for_device(0).outstanding();
+        cudawait::scheduler sched;
+        try {
+            if (m.pinned) {
+                cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            } else {
+                cudawait::sync_wait(sched, p.run(data, out));
+            }
+            ADD_FAILURE() << "no exception";
+        } catch (const pipeline_error& e) {
+            ADD_FAILURE() << "the fallback's exception was replaced: " << e.what();
+        } catch (const std::runtime_error& e) {
+            EXPECT_STREQ(e.what(), "fallback refused chunk 2");
+        }
+        EXPECT_EQ(cudawait::event_pool::for_device(0).outstanding(), before)
+            << "the events of the chunks in flight were not given back";
+        if (m.pinned) {
+            out.assign(pout.begin(), pout.end());
+        }
+        for (std::size_t c = 0; c < 6; ++c) {
+            bool whole = std::equal(want.begin() + c * chunk, want.begin() + (c + 1) * chunk,
+                                    out.begin() + c * chunk);
+            bool untouched = std::all_of(out.begin() + c * chunk, out.begin() + (c + 1) * chunk,
+                                         [](u32 x) { return x == 0xdeadbeefu; });
+            if (c < 2 && m.pinned) {
+                EXPECT_TRUE(whole) << "chunk " << c << " landed before run() passed the error on";
+            } else if (c < 2) {
+                EXPECT_TRUE(whole || untouched) << "chunk " << c;
+            } else {
+                EXPECT_TRUE(untouched) << "chunk " << c << " was written";
+            }
+        }
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(data, out));
+        EXPECT_EQ(first_mismatch(out, want), n) << "the next batch";
+    }
 }
 
 TEST_F(pipeline_gpu,

@@ -33,7 +33,7 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
 
-#include <cudawait/detail/parallel_memcpy.hpp>
+#include <cudawait/detail/staging.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -61,135 +61,6 @@ struct copy_options {
 };
 
 namespace detail {
-
-/// A pageable <-> device copy through a ring of pinned chunks, as a state machine: advance()
-/// does everything that needs no waiting and returns the event to wait for next, or nullptr.
-/// The blocking copy waits with cudaEventSynchronize, the awaitable one with co_await.
-class staged_copy {
-public:
-    staged_copy(std::byte* dst, const std::byte* src, std::size_t n, bool to_device, stream_ref s,
-                pinned_pool& pool, const copy_options& opt)
-        : m_dst(dst), m_src(src), m_bytes(n), m_to_device(to_device), m_stream(s), m_pool(&pool) {
-        std::size_t chunk = std::max<std::size_t>(opt.chunk_bytes, 4096);
-        m_chunk = std::min(chunk, n);
-        m_chunks = (n + m_chunk - 1) / m_chunk;
-        std::size_t depth = std::clamp<std::size_t>(opt.depth, 2, 64);
-        depth = std::min(depth, m_chunks);
-        m_events_pool = &event_pool::for_device(s.device());
-        m_slots.reserve(depth);
-        try {
-            for (std::size_t i = 0; i < depth; ++i) {
-                slot sl;
-                sl.buffer = pinned_buffer<std::byte>(m_chunk, pool);
-                sl.event = m_events_pool->acquire_raw();
-                m_slots.push_back(std::move(sl));
-            }
-        } catch (...) {
-            release();
-            throw;
-        }
-    }
-    staged_copy(const staged_copy&) = delete;
-    staged_copy& operator=(const staged_copy&) = delete;
-    ~staged_copy() { release(); }
-
-    /// Progress without waiting; the event to wait on next, or nullptr when the copy needs no
-    /// more host work (host to device: all enqueued; device to host: all written).
-    cudaEvent_t advance() { return m_to_device ? advance_to_device() : advance_from_device(); }
-
-    /// The event recorded after the last chunk's DMA (host to device).
-    [[nodiscard]] cudaEvent_t last_event() const {
-        return m_slots[(m_chunks - 1) % m_slots.size()].event;
-    }
-
-private:
-    struct slot {
-        pinned_buffer<std::byte> buffer;
-        cudaEvent_t event = nullptr;
-    };
-
-    [[nodiscard]] std::size_t length(std::size_t chunk) const noexcept {
-        return std::min(m_chunk, m_bytes - chunk * m_chunk);
-    }
-
-    static bool ready(cudaEvent_t e) { return event_ready(e, std::source_location::current()); }
-
-    void dma(void* dst, const void* src, std::size_t len, slot& sl) {
-        check(cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, m_stream.get()), "cudaMemcpyAsync");
-        check(cudaEventRecord(sl.event, m_stream.get()), "cudaEventRecord");
-        m_in_flight = true;
-    }
-
-    cudaEvent_t advance_to_device() {
-        while (m_next < m_chunks) {
-            slot& sl = m_slots[m_next % m_slots.size()];
-            if (m_next >= m_slots.size() && !ready(sl.event)) {
-                return sl.event; // its previous chunk is still being transferred
-            }
-            std::size_t off = m_next * m_chunk;
-            std::size_t len = length(m_next);
-            memcpy_workers::instance().copy(sl.buffer.data(), m_src + off, len);
-            dma(m_dst + off, sl.buffer.data(), len, sl);
-            ++m_next;
-        }
-        return nullptr;
-    }
-
-    cudaEvent_t advance_from_device() {
-        for (;;) {
-            while (m_enqueued < m_chunks && m_enqueued < m_next + m_slots.size()) {
-                slot& sl = m_slots[m_enqueued % m_slots.size()];
-                std::size_t off = m_enqueued * m_chunk;
-                dma(sl.buffer.data(), m_src + off, length(m_enqueued), sl);
-                ++m_enqueued;
-            }
-            if (m_next == m_chunks) {
-                m_in_flight = false; // every DMA was waited for
-                return nullptr;
-            }
-            slot& sl = m_slots[m_next % m_slots.size()];
-            if (!ready(sl.event)) {
-                return sl.event;
-            }
-            std::size_t off = m_next * m_chunk;
-            memcpy_workers::instance().copy(m_dst + off, sl.buffer.data(), length(m_next));
-            ++m_next;
-        }
-    }
-
-    // Chunks whose DMA may still run go back to the pool marked with a use on the stream, so
-    // nothing is handed out while the copy engine still reads or writes it.
-    void release() noexcept {
-        for (slot& sl : m_slots) {
-            if (m_in_flight && sl.buffer) {
-                try {
-                    sl.buffer.record_use(m_stream);
-                } catch (const std::exception&) {
-                    // Recording failed: the context is broken and will not touch the chunk.
-                }
-            }
-            sl.buffer.reset();
-            if (sl.event != nullptr) {
-                m_events_pool->release_raw(sl.event);
-                sl.event = nullptr;
-            }
-        }
-    }
-
-    std::byte* m_dst;
-    const std::byte* m_src;
-    std::size_t m_bytes;
-    bool m_to_device;
-    stream_ref m_stream;
-    pinned_pool* m_pool;
-    std::size_t m_chunk = 0;
-    std::size_t m_chunks = 0;
-    std::size_t m_next = 0;     ///< next chunk to fill (to device) or to drain (from device)
-    std::size_t m_enqueued = 0; ///< chunks whose DMA is enqueued (from device)
-    bool m_in_flight = false;
-    event_pool* m_events_pool = nullptr;
-    std::vector<slot> m_slots;
-};
 
 /// A copy's bytes, checked and classified, and the pools that own either side (if any).
 struct copy_plan {
@@ -281,7 +152,8 @@ inline task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
         co_await s;
         co_return;
     }
-    staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt), opt);
+    staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt),
+                   opt.chunk_bytes, opt.depth);
     while (cudaEvent_t ev = sc.advance()) {
         co_await event_ref(ev);
     }
@@ -308,7 +180,8 @@ struct copy_async_fn {
             enqueue_direct(plan, s);
             return;
         }
-        staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt), opt);
+        staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt),
+                       opt.chunk_bytes, opt.depth);
         while (cudaEvent_t ev = sc.advance()) {
             check(cudaEventSynchronize(ev), "cudaEventSynchronize");
         }

@@ -14,11 +14,13 @@
 #include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
+#include <cudawait/graph.hpp>
 #include <cudawait/mapped_buffer.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/pipeline.hpp>
+#include <cudawait/pipeline_options.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/scope.hpp>
 #include <cudawait/stream.hpp>

@@ -1,0 +1,187 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// What the pipeline measures: per-chunk stage timing events, the bandwidth alert window, the
+// statistics of a run or session (counters the drivers bump, and the figures derived from
+// them), and the chunk-size advice drawn from those figures.
+
+#include <cudawait/device.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/event.hpp>
+#include <cudawait/pipeline_options.hpp>
+
+#include <cudawait/detail/link_peak.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait::detail {
+
+/// Stage timing, alerts and statistics of one pipeline.
+class pipeline_monitor {
+public:
+    /// Where a chunk's timing events are recorded: start and end of each stage (a replayed
+    /// graph records h2d_start and d2h_end only).
+    enum mark : std::size_t {
+        h2d_start,
+        h2d_end,
+        compute_start,
+        compute_end,
+        d2h_start,
+        d2h_end,
+        marks
+    };
+
+    /// With `o.timing`, one set of timing events for each of `sets` chunks that can be in flight
+    /// at once, and the link's peak measured (once per device and process).
+    /// @throws cuda_error
+    pipeline_monitor(const pipeline_options& o, std::size_t sets) : m_options(&o) {
+        if (!o.timing) {
+            return;
+        }
+        for (std::size_t i = 0; i < sets; ++i) {
+            std::vector<event> set;
+            for (std::size_t k = 0; k < marks; ++k) {
+                set.emplace_back(device_ref(o.device), cudaEventDefault);
+            }
+            m_timing.push_back(std::move(set));
+        }
+        m_link_peak = link_peak_gbps(o.device);
+    }
+
+    /// Statistics start anew (a batch run or a streaming session begins).
+    void reset() {
+        m_stats = {};
+        m_window.clear();
+    }
+
+    [[nodiscard]] bool timing() const noexcept { return !m_timing.empty(); }
+    /// The timing set for the next chunk (they are used in turn).
+    [[nodiscard]] std::size_t next_set() noexcept { return m_timing_seq++ % m_timing.size(); }
+    /// The events of timing set `set`, indexed by `mark`.
+    [[nodiscard]] std::vector<event>& set(std::size_t set) { return m_timing[set]; }
+
+    /// The counters the drivers bump (chunks, retries, ...).
+    [[nodiscard]] pipeline_stats& counters() noexcept { return m_stats; }
+
+    /// A chunk completed on the GPU: its bytes count; with timing, its stage times are added
+    /// (`timing_set` empty when the chunk was not timed) and the alert window is checked. A
+    /// replayed graph (`graph_replay`) is timed as a whole.
+    /// @throws cuda_error; what on_alert throws
+    void chunk_done(std::size_t in_bytes, std::size_t out_bytes,
+                    std::optional<std::size_t> timing_set, bool graph_replay) {
+        m_stats.input_bytes += in_bytes;
+        m_stats.output_bytes += out_bytes;
+        if (!timing_set) {
+            return;
+        }
+        std::vector<event>& t = m_timing[*timing_set];
+        auto elapsed = [&](mark a, mark b) {
+            float ms = 0;
+            check(cudaEventElapsedTime(&ms, t[a].get(), t[b].get()), "cudaEventElapsedTime");
+            return static_cast<double>(ms) * 1e-3;
+        };
+        if (graph_replay) {
+            // A replayed graph is timed as a whole; its stages are not split, so stage times and
+            // bandwidths come from plain mode only.
+            m_stats.graph_seconds += elapsed(h2d_start, d2h_end);
+            return;
+        }
+        double h2d = elapsed(h2d_start, h2d_end);
+        double comp = elapsed(compute_start, compute_end);
+        double d2h = elapsed(d2h_start, d2h_end);
+        m_stats.h2d_seconds += h2d;
+        m_stats.compute_seconds += comp;
+        m_stats.d2h_seconds += d2h;
+        if (h2d <= 0 || d2h <= 0 || m_link_peak <= 0) {
+            return;
+        }
+        m_window.push_back({in_bytes, h2d, out_bytes, d2h});
+        if (m_window.size() < m_options->alert_window) {
+            return;
+        }
+        double bin = 0, tin = 0, bout = 0, tout = 0;
+        for (auto& w : m_window) {
+            bin += static_cast<double>(w.in_bytes);
+            tin += w.h2d;
+            bout += static_cast<double>(w.out_bytes);
+            tout += w.d2h;
+        }
+        m_window.clear();
+        double limit = m_options->alert_fraction * m_link_peak;
+        for (auto [dir, gbps] :
+             {std::pair{"h2d", bin / tin / 1e9}, std::pair{"d2h", bout / tout / 1e9}}) {
+            if (gbps < limit) {
+                ++m_stats.alerts;
+                if (m_options->on_alert) {
+                    m_options->on_alert(
+                        pipeline_alert{dir, gbps, m_link_peak, m_options->alert_window});
+                }
+            }
+        }
+    }
+
+    /// The counters with the derived figures filled in.
+    [[nodiscard]] pipeline_stats stats(unsigned depth, bool gpu_abandoned) const {
+        pipeline_stats s = m_stats;
+        s.depth = depth;
+        s.gpu_abandoned = gpu_abandoned;
+        s.link_peak_gbps = m_link_peak;
+        s.h2d_gbps =
+            s.h2d_seconds > 0 ? static_cast<double>(s.input_bytes) / s.h2d_seconds / 1e9 : 0;
+        s.d2h_gbps =
+            s.d2h_seconds > 0 ? static_cast<double>(s.output_bytes) / s.d2h_seconds / 1e9 : 0;
+        s.throughput_gbps =
+            s.wall_seconds > 0 ? static_cast<double>(s.input_bytes) / s.wall_seconds / 1e9 : 0;
+        double transfer = std::max(s.h2d_seconds, s.d2h_seconds);
+        s.compute_to_transfer = transfer > 0 ? s.compute_seconds / transfer : 0;
+        double longest = std::max(transfer, s.compute_seconds);
+        s.overlap_efficiency = s.wall_seconds > 0 && longest > 0 ? longest / s.wall_seconds : 0;
+        return s;
+    }
+
+    /// The chunk size (elements of `element_bytes`) that stats `s` suggest; see
+    /// pipeline::suggest_chunk_size for the rule.
+    [[nodiscard]] std::size_t suggest_chunk_size(const pipeline_stats& s,
+                                                 std::size_t element_bytes) const {
+        std::size_t chunk = m_options->chunk_elements;
+        if (s.compute_to_transfer <= 0 || s.chunks == 0) {
+            return chunk;
+        }
+        double per_chunk_copy = std::max(s.h2d_seconds, s.d2h_seconds) /
+                                static_cast<double>(std::max<std::size_t>(1, s.gpu_chunks));
+        std::size_t suggested = chunk;
+        if (s.compute_to_transfer > 3.0) {
+            suggested = chunk / 2;
+        } else if (s.compute_to_transfer < 1.5 && per_chunk_copy < 1e-3) {
+            suggested = chunk * 2;
+        }
+        double peak = m_link_peak > 0 ? m_link_peak : 25.0;
+        auto floor_elems =
+            std::max<std::size_t>(1, static_cast<std::size_t>(peak * 1e9 * 50e-6) / element_bytes);
+        std::size_t ceiling = std::max<std::size_t>(1, (std::size_t{256} << 20) / element_bytes);
+        return std::clamp(suggested, std::min(floor_elems, chunk), std::max(ceiling, chunk));
+    }
+
+private:
+    struct window_entry {
+        std::size_t in_bytes;
+        double h2d;
+        std::size_t out_bytes;
+        double d2h;
+    };
+
+    const pipeline_options* m_options;
+    std::vector<std::vector<event>> m_timing; // per chunk in flight, indexed by `mark`
+    std::size_t m_timing_seq = 0;
+    std::vector<window_entry> m_window;
+    pipeline_stats m_stats;
+    double m_link_peak = 0;
+};
+
+} // namespace cudawait::detail

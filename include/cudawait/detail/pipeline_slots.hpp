@@ -1,0 +1,490 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The pipeline's slots and the enqueue of one chunk: no waiting on the host here (the drivers,
+// detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await).
+//
+// Who waits on what. Each slot owns device buffers (dev_in, dev_out, and dev_mid for chained
+// stages) and three events, recorded after each use of them. A chunk on slot `s`, plain path:
+//   H2D     (h2d stream)          waits on s.compute_done: the slot's previous chunk's stages
+//                                 read dev_in; then copies into dev_in, records s.h2d_done.
+//   stages  (compute stream i,    wait on s.h2d_done, and on s.d2h_done: the previous chunk's
+//            taken in turn)       D2H read dev_out; then run in order, record s.compute_done.
+//   D2H     (d2h stream)          waits on s.compute_done; copies dev_out out, records
+//                                 s.d2h_done and then the chunk's own completion event.
+// Graph path (full chunks with options.graph): the slot's graph stream waits on
+// s.compute_done and s.d2h_done (plain-path work on the slot, a short chunk, goes first), replays
+// the slot's graph (H2D node -> stages -> D2H node, ordered inside the graph), then records
+// s.h2d_done, s.compute_done, s.d2h_done and the chunk's completion event. Successive replays of
+// one slot are ordered by its graph stream.
+// The GPU alone orders slot reuse; the host reuses a slot's pinned staging buffers only after the
+// chunk that used them completed (the batch driver's `busy`, the streaming session's slots).
+
+#include <cudawait/device.hpp>
+#include <cudawait/device_buffer.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/event.hpp>
+#include <cudawait/graph.hpp>
+#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/pinned_pool.hpp>
+#include <cudawait/pipeline_options.hpp>
+#include <cudawait/stream.hpp>
+#include <cudawait/trace.hpp>
+
+#include <cudawait/detail/pipeline_monitor.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait::detail {
+
+/// One slot's chunk as an instantiated CUDA graph: H2D memcpy node -> the stages (captured) ->
+/// D2H memcpy node. The device ends are the slot's; the host ends are set per chunk (retarget).
+class slot_graph {
+public:
+    /// Not built yet.
+    slot_graph() = default;
+
+    /// Builds the graph: `stages(s)` enqueues the chunk's work on the capture stream `s`. The
+    /// memcpy nodes start with `src` and `dst`; retarget() sets later chunks' host ends.
+    /// @throws cuda_error; what `stages` throws (nothing is kept then)
+    template <class Stages>
+    void build(void* dev_in, const void* src, std::size_t in_bytes, void* dst, const void* dev_out,
+               std::size_t out_bytes, device_ref dev, Stages&& stages) {
+        graph g = graph::create();
+        cudaGraphNode_t h2d = g.add_memcpy_1d(dev_in, src, in_bytes, cudaMemcpyHostToDevice);
+        stream capture_stream(dev, 0);
+        graph work = capture(capture_stream, std::forward<Stages>(stages));
+        cudaGraphNode_t kernels = g.add_child(work, {h2d});
+        cudaGraphNode_t d2h =
+            g.add_memcpy_1d(dst, dev_out, out_bytes, cudaMemcpyDeviceToHost, {kernels});
+        m_exec = g.instantiate();
+        m_graph = std::move(g);
+        m_h2d = h2d;
+        m_d2h = d2h;
+        m_dev_in = dev_in;
+        m_dev_out = dev_out;
+    }
+
+    [[nodiscard]] explicit operator bool() const noexcept { return static_cast<bool>(m_exec); }
+
+    /// Points the next replays' host ends at `src` (in_bytes to dev_in) and `dst` (out_bytes
+    /// from dev_out).
+    /// @throws usage_error before build(); cuda_error
+    void retarget(const void* src, std::size_t in_bytes, void* dst, std::size_t out_bytes) {
+        m_exec.set_memcpy_1d(m_h2d, m_dev_in, src, in_bytes, cudaMemcpyHostToDevice);
+        m_exec.set_memcpy_1d(m_d2h, dst, m_dev_out, out_bytes, cudaMemcpyDeviceToHost);
+    }
+
+    /// Enqueues one replay on `s`.
+    /// @throws usage_error before build(); cuda_error
+    void launch(stream_ref s) const { m_exec.launch(s); }
+
+private:
+    graph m_graph;
+    graph_exec m_exec;
+    cudaGraphNode_t m_h2d = nullptr;
+    cudaGraphNode_t m_d2h = nullptr;
+    void* m_dev_in = nullptr;
+    const void* m_dev_out = nullptr;
+};
+
+/// A slot: the device buffers of one chunk in flight, its pinned staging buffers (made on first
+/// need) and the events that order the slot's reuse on the GPU.
+template <class In, class Out>
+struct pipeline_slot {
+    /// The device buffers are allocated in `alloc`'s order.
+    /// @throws cuda_error
+    pipeline_slot(const pipeline_options& o, bool chained, stream_ref alloc, int graph_priority)
+        : dev_in(o.chunk_elements, alloc), dev_out(o.output_elements, alloc),
+          dev_mid(chained ? device_buffer<Out>(o.output_elements, alloc) : device_buffer<Out>()),
+          h2d_done(device_ref(o.device)), compute_done(device_ref(o.device)),
+          d2h_done(device_ref(o.device)), graph_stream(device_ref(o.device), graph_priority) {}
+    pipeline_slot(const pipeline_slot&) = delete;
+    pipeline_slot& operator=(const pipeline_slot&) = delete;
+
+    /// @throws std::bad_alloc, cuda_error
+    void ensure_host_buffers(const pipeline_options& o, pinned_pool& pool) {
+        if (!host_in) {
+            host_in = pinned_buffer<In>(o.chunk_elements, pool);
+        }
+        if (!host_out) {
+            host_out = pinned_buffer<Out>(o.output_elements, pool);
+        }
+    }
+
+    device_buffer<In> dev_in;
+    device_buffer<Out> dev_out;
+    device_buffer<Out> dev_mid; // chained stages: the outputs alternate with dev_out
+    pinned_buffer<In> host_in;  // staging, streaming and graph placeholders only
+    pinned_buffer<Out> host_out;
+    event h2d_done;
+    event compute_done;
+    event d2h_done;
+    stream graph_stream;
+    slot_graph graph;
+};
+
+/// A chunk in flight: which part of the input, on which slot, and its completion event (back to
+/// the pool when the record goes, or moved to pipeline_core::abandoned_events). Move-only.
+template <class In, class Out>
+struct pipeline_flight {
+    std::size_t chunk = 0;
+    std::size_t offset = 0; // input elements
+    std::size_t count = 0;
+    std::size_t output_count = 0;
+    std::size_t slot = 0;
+    pooled_event done;
+    std::size_t timing_set = 0;
+    bool timed = false;
+    chunk_error error;           // streaming: the enqueue failed (next() reports it in order)
+    const In* host_in = nullptr; // the chunk in the caller's range or the streaming slot
+    Out* host_out = nullptr;
+    Out* staged_out = nullptr;             // batch with pageable output: copy from the slot here
+    cudaStream_t compute_stream = nullptr; // plain path: the compute stream it took
+};
+
+/// A cuda_error as a chunk_error.
+inline chunk_error chunk_error_of(const cuda_error& e) {
+    return chunk_error{e.status(), e.sticky(), false, nullptr, e.what()};
+}
+
+/// What both drivers share: the options, stages and fallback, the streams, the slots, the
+/// monitor, and the state of degradation and of the session rule.
+template <class In, class Out>
+struct pipeline_core {
+    using stage = std::function<void(std::span<In> in, std::span<Out> out, stream_ref s)>;
+    using fallback =
+        std::function<void(std::size_t chunk, std::span<const In> in, std::span<Out> out)>;
+    using slot = pipeline_slot<In, Out>;
+    using flight = pipeline_flight<In, Out>;
+
+    /// Chunks in flight per slot when the host may run ahead (pinned host ranges).
+    static constexpr std::size_t runahead_factor = 4;
+
+    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, or several
+    ///         stages with In != Out; cuda_error
+    pipeline_core(pipeline_options o, std::vector<stage> s, fallback f)
+        : options(validated(std::move(o))), stages(checked(std::move(s))),
+          on_gpu_failure(std::move(f)),
+          pool(options.pool != nullptr ? options.pool : &default_pinned_pool()),
+          h2d(device_ref(options.device), transfer_priority()),
+          d2h(device_ref(options.device), transfer_priority()),
+          events(event_pool::for_device(options.device)), compute(make_compute_streams()),
+          slots(make_slots()), monitor(options, runahead_factor * options.depth) {
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+            free_slots.push_back(i);
+        }
+        active_depth = options.depth;
+        // The slots' device buffers were allocated in the H2D stream's order; every other stream
+        // (the graph streams among them) may use them from now on.
+        h2d.sync();
+    }
+    pipeline_core(const pipeline_core&) = delete;
+    pipeline_core& operator=(const pipeline_core&) = delete;
+    /// The streams are synchronised before the slots, and the abandoned events, go.
+    ~pipeline_core() { synchronize(); }
+
+    /// Waits for every stream the slots' work ran on (before buffers and events go).
+    void synchronize() noexcept {
+        auto sync = [](const stream& s) {
+            if (s) {
+                detail::report(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+            }
+        };
+        sync(h2d);
+        sync(d2h);
+        for (auto& s : compute) {
+            sync(s);
+        }
+        for (auto& sl : slots) {
+            sync(sl->graph_stream);
+        }
+    }
+
+    /// Output elements of a chunk with `inputs` input elements.
+    [[nodiscard]] std::size_t output_count(std::size_t inputs) const noexcept {
+        return (inputs * options.output_elements + options.chunk_elements - 1) /
+               options.chunk_elements;
+    }
+
+    /// Gives `f` (its chunk, counts and slot set) a timing set and a completion event.
+    /// @throws cuda_error
+    void start_flight(flight& f) {
+        if (monitor.timing()) {
+            f.timing_set = monitor.next_set();
+        }
+        f.done = events.acquire();
+    }
+
+    /// Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
+    /// @throws cuda_error; what a stage throws
+    void enqueue(flight& f, const In* src, Out* dst) {
+        slot& sl = *slots[f.slot];
+        f.timed = monitor.timing();
+        std::vector<event>* t = f.timed ? &monitor.set(f.timing_set) : nullptr;
+        bool full = f.count == options.chunk_elements;
+        if (options.graph && full) {
+            enqueue_graph(f, sl, src, dst, t);
+            return;
+        }
+        using m = pipeline_monitor;
+        stream_ref cs = compute[compute_next++ % compute.size()];
+        {
+            trace_range r("h2d", f.chunk);
+            h2d.wait(sl.compute_done.get()); // the previous chunk's stages read dev_in
+            if (f.timed) {
+                (*t)[m::h2d_start].record(h2d);
+            }
+            check(cudaMemcpyAsync(sl.dev_in.data(), src, f.count * sizeof(In),
+                                  cudaMemcpyHostToDevice, h2d.get()),
+                  "cudaMemcpyAsync");
+            if (f.timed) {
+                (*t)[m::h2d_end].record(h2d);
+            }
+            sl.h2d_done.record(h2d);
+        }
+        {
+            trace_range r("compute", f.chunk);
+            f.compute_stream = cs.get();
+            cs.wait(sl.h2d_done.get());
+            cs.wait(sl.d2h_done.get()); // the previous chunk's D2H read dev_out
+            if (f.timed) {
+                (*t)[m::compute_start].record(cs);
+            }
+            try {
+                launch_stages(sl, f.count, f.output_count, cs, true);
+            } catch (...) {
+                // Whatever the stages did launch must finish before the slot is reused. The
+                // stage's exception is the one that goes on; a failed record is reported.
+                detail::report(cudaEventRecord(sl.compute_done.get(), cs.get()),
+                               "cudaEventRecord");
+                throw;
+            }
+            if (f.timed) {
+                (*t)[m::compute_end].record(cs);
+            }
+            sl.compute_done.record(cs);
+        }
+        {
+            trace_range r("d2h", f.chunk);
+            d2h.wait(sl.compute_done.get());
+            if (f.timed) {
+                (*t)[m::d2h_start].record(d2h);
+            }
+            check(cudaMemcpyAsync(dst, sl.dev_out.data(), f.output_count * sizeof(Out),
+                                  cudaMemcpyDeviceToHost, d2h.get()),
+                  "cudaMemcpyAsync");
+            if (f.timed) {
+                (*t)[m::d2h_end].record(d2h);
+            }
+            sl.d2h_done.record(d2h);
+            f.done.record(d2h);
+        }
+    }
+
+    /// f completed on the GPU: its bytes and times go to the monitor.
+    /// @throws cuda_error; what on_alert throws
+    void chunk_done(const flight& f) {
+        monitor.chunk_done(f.count * sizeof(In), f.output_count * sizeof(Out),
+                           f.timed ? std::optional<std::size_t>(f.timing_set) : std::nullopt,
+                           options.graph && f.count == options.chunk_elements);
+    }
+
+    /// Tells on_degrade (default: stderr) what happened to `f` and what was done about it.
+    /// @throws what on_degrade throws
+    void report_degradation(const flight& f, degrade_level level, degrade_action action,
+                            const chunk_error& error) {
+        const slot& sl = *slots[f.slot];
+        chunk_failure c;
+        c.chunk = f.chunk;
+        c.offset = f.offset;
+        c.elements = f.count;
+        c.output_elements = f.output_count;
+        c.input_bytes = f.count * sizeof(In);
+        c.output_bytes = f.output_count * sizeof(Out);
+        c.depth = active_depth;
+        c.compute_streams = options.compute_streams;
+        c.device = options.device;
+        c.graph = options.graph;
+        if (options.graph && f.count == options.chunk_elements) {
+            c.h2d_stream = c.compute_stream = c.d2h_stream = sl.graph_stream.get();
+        } else {
+            c.h2d_stream = h2d.get();
+            c.compute_stream = f.compute_stream;
+            c.d2h_stream = d2h.get();
+        }
+        c.host_in = f.host_in;
+        c.host_out = f.host_out;
+        c.device_in = sl.dev_in.data();
+        c.device_out = sl.dev_out.data();
+        c.level = level;
+        c.action = action;
+        c.error = error;
+        if (options.on_degrade) {
+            options.on_degrade(c);
+            return;
+        }
+        std::string_view lv = to_string(c.level);
+        std::string_view act = to_string(c.action);
+        std::fprintf(stderr,
+                     "cudawait pipeline: chunk %zu (elements %zu..%zu, %zu out) %.*s: %.*s; "
+                     "depth %u, %u compute stream(s), device %d%s; streams h2d %p compute %p "
+                     "d2h %p; host %p -> %p, device %p -> %p: %s\n",
+                     c.chunk, c.offset, c.offset + c.elements, c.output_elements,
+                     static_cast<int>(lv.size()), lv.data(), static_cast<int>(act.size()),
+                     act.data(), c.depth, c.compute_streams, c.device, c.graph ? ", graph" : "",
+                     static_cast<void*>(c.h2d_stream), static_cast<void*>(c.compute_stream),
+                     static_cast<void*>(c.d2h_stream), c.host_in, c.host_out, c.device_in,
+                     c.device_out, c.error.what.c_str());
+    }
+
+    pipeline_options options;
+    std::vector<stage> stages;
+    fallback on_gpu_failure;
+    pinned_pool* pool = nullptr;
+    stream h2d;
+    stream d2h;
+    event_pool& events; ///< the device's pool, for the flights' completion events
+    std::vector<stream> compute;
+    std::vector<std::unique_ptr<slot>> slots;
+    pipeline_monitor monitor;
+    /// Events of chunks given up while their work may still complete: out of the pool until
+    /// destruction (a late completion must not signal a reused event).
+    std::vector<pooled_event> abandoned_events;
+    unsigned active_depth = 1; ///< slots in use (lowered by level-1 degradation)
+    std::size_t compute_next = 0;
+    bool gpu_abandoned = false;
+    // The session rule (see pipeline.hpp): a batch and a streaming session exclude each other.
+    std::deque<std::size_t> free_slots; ///< slots not held by a streaming producer or consumer
+    bool batch_running = false;
+    bool session_open = false; ///< from acquire() until next() returned the end after close()
+
+private:
+    static pipeline_options validated(pipeline_options o) {
+        if (o.chunk_elements == 0) {
+            throw usage_error("pipeline: chunk_elements must be non-zero");
+        }
+        if (o.depth == 0 || o.compute_streams == 0) {
+            throw usage_error("pipeline: depth and compute_streams must be at least 1");
+        }
+        if (o.output_elements == 0) {
+            o.output_elements = o.chunk_elements;
+        }
+        if (o.queue_capacity == 0) {
+            o.queue_capacity = (2 + std::size_t{o.compute_streams}) * 2;
+        }
+        return o;
+    }
+    static std::vector<stage> checked(std::vector<stage> stages) {
+        if (stages.empty() ||
+            std::any_of(stages.begin(), stages.end(), [](const stage& s) { return !s; })) {
+            throw usage_error("pipeline: at least one stage, and no empty ones");
+        }
+        if (stages.size() > 1 && !std::is_same_v<In, Out>) {
+            throw usage_error("pipeline: stages are chained (each reads the previous one's "
+                              "output), which needs In == Out; with In != Out pass one stage, "
+                              "which may launch several kernels");
+        }
+        return stages;
+    }
+    int transfer_priority() const {
+        return options.transfer_priority.value_or(priority_low(device_ref(options.device)));
+    }
+    std::vector<stream> make_compute_streams() const {
+        device_ref dev(options.device);
+        int high = options.compute_priority.value_or(priority_high(dev));
+        std::vector<stream> v;
+        for (unsigned i = 0; i < options.compute_streams; ++i) {
+            v.emplace_back(dev, high);
+        }
+        return v;
+    }
+    std::vector<std::unique_ptr<slot>> make_slots() const {
+        std::vector<std::unique_ptr<slot>> v;
+        v.reserve(options.depth);
+        for (unsigned i = 0; i < options.depth; ++i) {
+            v.push_back(std::make_unique<slot>(options, stages.size() > 1, h2d,
+                                               compute.front().priority()));
+        }
+        return v;
+    }
+
+    // Launches the stages for a chunk of `count` inputs and `out_count` outputs on `s`, chained:
+    // stage 0 reads dev_in, each later one the previous one's output; the destinations alternate
+    // between dev_mid and dev_out so that the last stage writes dev_out. A slot's next chunk
+    // reaches its stages only after this one's finished (its H2D waits for compute_done), so
+    // dev_mid needs no event of its own.
+    void launch_stages(slot& sl, std::size_t count, std::size_t out_count, stream_ref s,
+                       bool check_launches) {
+        std::span<In> din(sl.dev_in.data(), count);
+        std::span<Out> dout(sl.dev_out.data(), out_count);
+        if (stages.size() == 1) {
+            stages.front()(din, dout, s);
+            if (check_launches) {
+                check(cudaGetLastError(), "pipeline stage launch");
+            }
+            return;
+        }
+        if constexpr (std::is_same_v<In, Out>) { // several stages need it (checked())
+            std::span<Out> dmid(sl.dev_mid.data(), out_count);
+            const std::size_t n = stages.size();
+            std::span<In> src = din;
+            for (std::size_t i = 0; i < n; ++i) {
+                std::span<Out> dst = (n - 1 - i) % 2 == 0 ? dout : dmid;
+                stages[i](src, dst, s);
+                if (check_launches) {
+                    check(cudaGetLastError(), "pipeline stage launch");
+                }
+                src = dst;
+            }
+        }
+    }
+
+    // The slot's graph is built with the first full chunk's host pointers; later chunks set
+    // theirs.
+    void enqueue_graph(flight& f, slot& sl, const In* src, Out* dst, std::vector<event>* t) {
+        using m = pipeline_monitor;
+        trace_range r("graph", f.chunk);
+        if (!sl.graph) {
+            sl.graph.build(sl.dev_in.data(), src, options.chunk_elements * sizeof(In), dst,
+                           sl.dev_out.data(), options.output_elements * sizeof(Out),
+                           device_ref(options.device), [&](stream_ref capture_stream) {
+                               launch_stages(sl, options.chunk_elements, options.output_elements,
+                                             capture_stream, false);
+                           });
+        }
+        // The addresses of the host ends change per chunk; the device ones are the slot's.
+        sl.graph.retarget(src, f.count * sizeof(In), dst, f.output_count * sizeof(Out));
+        stream& gs = sl.graph_stream;
+        // Plain-path work on this slot (a short chunk) must be done first.
+        gs.wait(sl.compute_done.get());
+        gs.wait(sl.d2h_done.get());
+        if (f.timed) {
+            (*t)[m::h2d_start].record(gs);
+        }
+        sl.graph.launch(gs);
+        if (f.timed) {
+            (*t)[m::d2h_end].record(gs);
+        }
+        sl.h2d_done.record(gs);
+        sl.compute_done.record(gs);
+        sl.d2h_done.record(gs);
+        f.done.record(gs);
+    }
+};
+
+} // namespace cudawait::detail
