@@ -142,6 +142,7 @@ TEST(copy, a_user_range_that_states_its_memory_is_believed_and_its_pool_is_used)
                      copy_options{&own});
     EXPECT_EQ(plan.dst_pool, &own) << "the staging pool owns the block";
     own.deallocate(block);
+}
 
 // The host half of staging (detail/staging.hpp), shared by staged copies and the pipeline: every
 // byte arrives, for sizes below one worker's part, at it, and split over several workers.
