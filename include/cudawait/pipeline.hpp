@@ -33,9 +33,9 @@
 // nothing per chunk. The stages of one chunk share it in order, and that is safe: a slot's next
 // chunk starts its stages only after its previous chunk's stages (and D2H) finished, and other
 // slots have their own scratch. In graph mode the stages are called once per slot, when its graph
-// is captured (with the context of the chunk that built it): the context's stream is then the
-// capture stream and the scratch the slot's, so the captured work uses that scratch in every
-// replay.
+// is captured, with the context of the chunk that built it (work that depends on ctx.chunk would
+// replay that chunk's value): the context's stream is then the capture stream and the scratch the
+// slot's, so the captured work uses that scratch in every replay.
 //
 // Stages that overlap across chunks: with `stage_streams`, stage k of every chunk runs on its own
 // compute stream k (one per stage, compute_stream(k), created with the compute priority). Stage
