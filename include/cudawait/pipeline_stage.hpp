@@ -17,6 +17,7 @@
 
 #include <cudawait/stream.hpp>
 
+#include <concepts>
 #include <cstddef>
 #include <functional>
 #include <span>
@@ -39,11 +40,31 @@ struct stage_context {
     std::span<std::byte> scratch;
 };
 
+template <class In, class Out>
+class pipeline_stage;
+
 namespace detail {
 template <class F>
 struct is_std_function : std::false_type {};
 template <class Sig>
 struct is_std_function<std::function<Sig>> : std::true_type {};
+
+// A name for the type: clang-format 14 misreads `const stage_context&>` closing a template
+// argument list (as a comparison) and splits it over lines.
+using stage_context_ref = const stage_context&;
+
+/// A stage of the older form (taking the stream alone), called as an lvalue.
+template <class F, class In, class Out>
+concept stream_stage = std::invocable<F&, std::span<In>, std::span<Out>, stream_ref>;
+/// A stage of the context form, called as an lvalue.
+template <class F, class In, class Out>
+concept context_stage = std::invocable<F&, std::span<In>, std::span<Out>, stage_context_ref>;
+/// What pipeline_stage<In, Out> wraps: a callable of either form (the stream form is tried
+/// first), not a pipeline_stage itself (that is copied).
+template <class F, class In, class Out>
+concept stage_callable =
+    !std::is_same_v<std::remove_cvref_t<F>, pipeline_stage<In, Out>> &&
+    (stream_stage<std::decay_t<F>, In, Out> || context_stage<std::decay_t<F>, In, Out>);
 } // namespace detail
 
 /// A pipeline stage: a callable of either form, `(in, out, const stage_context&)` or the older
@@ -51,23 +72,12 @@ struct is_std_function<std::function<Sig>> : std::true_type {};
 template <class In, class Out>
 class pipeline_stage {
 public:
-    /// True when `F` is a stage of the older form (taking the stream alone).
-    template <class F>
-    static constexpr bool stream_form =
-        std::is_invocable_v<F&, std::span<In>, std::span<Out>, stream_ref>;
-    /// True when `F` is a stage of the context form.
-    template <class F>
-    static constexpr bool context_form =
-        std::is_invocable_v<F&, std::span<In>, std::span<Out>, const stage_context&>;
-
     /// An empty stage (the pipeline refuses it).
     pipeline_stage() noexcept = default;
 
     /// Wraps `f`, of either form; the stream form is called with `ctx.stream`.
-    template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, pipeline_stage> &&
-             (stream_form<std::decay_t<F>> || context_form<std::decay_t<F>>))
-        pipeline_stage(F&& f) { // NOLINT(google-explicit-constructor): stages are given as lambdas
+    template <detail::stage_callable<In, Out> F>
+    pipeline_stage(F&& f) { // NOLINT(google-explicit-constructor): stages are given as lambdas
         using fn = std::decay_t<F>;
         if constexpr (std::is_pointer_v<fn>) {
             fn p = f;
@@ -79,7 +89,7 @@ public:
                 return;
             }
         }
-        if constexpr (stream_form<fn>) {
+        if constexpr (detail::stream_stage<fn, In, Out>) {
             // Called as an lvalue, as std::function calls its target: mutable lambdas work.
             m_fn = [g = fn(std::forward<F>(f))](std::span<In> in, std::span<Out> out,
                                                 const stage_context& ctx) mutable {
