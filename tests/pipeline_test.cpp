@@ -1573,4 +1573,408 @@ TEST_F(pipeline_gpu, suggested_chunk_size_grows_for_a_light_kernel_and_shrinks_f
     }
 }
 
+// ---- stage context, scratch and stage streams ------------------------------------------------
+
+using cudawait::stage_context;
+using old_stage_fn = void (*)(std::span<u32>, std::span<u32>, cudawait::stream_ref);
+using context_stage_fn = void (*)(std::span<u32>, std::span<u32>, const stage_context&);
+
+// Either form makes a stage; other signatures do not.
+static_assert(std::is_same_v<pipe_t::stage, cudawait::pipeline_stage<u32, u32>>);
+static_assert(std::is_constructible_v<pipe_t::stage, old_stage_fn>);
+static_assert(std::is_constructible_v<pipe_t::stage, context_stage_fn>);
+static_assert(std::is_constructible_v<
+              pipe_t::stage, std::function<void(std::span<u32>, std::span<u32>, cudaStream_t)>>);
+static_assert(!std::is_constructible_v<pipe_t::stage, void (*)(std::span<u32>, std::span<u32>)>);
+static_assert(!std::is_constructible_v<pipe_t::stage,
+                                       void (*)(std::span<float>, std::span<u32>, cudaStream_t)>);
+static_assert(!std::is_constructible_v<pipe_t::stage, int>);
+static_assert(std::is_copy_constructible_v<pipe_t::stage>);
+static_assert(std::is_nothrow_default_constructible_v<pipe_t::stage>);
+
+/// A context with a made-up stream handle (never given to CUDA).
+stage_context fake_context(unsigned stage, std::span<std::byte> scratch = {}) {
+    auto s = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x5000});
+    return stage_context{
+        .stream = s, .slot = 2, .stage = stage, .device = 0, .chunk = 9, .scratch = scratch};
+}
+
+TEST(pipeline_stage, takes_either_form_and_calls_it_with_the_context) {
+    std::vector<u32> a(4);
+    std::vector<u32> b(3);
+    std::vector<std::byte> scratch(64);
+    const stage_context ctx = fake_context(1, scratch);
+
+    cudaStream_t old_seen = nullptr;
+    std::size_t old_sizes = 0;
+    pipe_t::stage old_form = [&](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
+        old_seen = s.get();
+        old_sizes = in.size() * 10 + out.size();
+    };
+    const stage_context* ctx_seen = nullptr;
+    pipe_t::stage new_form = [&](std::span<u32> in, std::span<u32> out, const stage_context& c) {
+        ctx_seen = &c;
+        EXPECT_EQ(in.data(), a.data());
+        EXPECT_EQ(out.data(), b.data());
+    };
+    ASSERT_TRUE(old_form);
+    ASSERT_TRUE(new_form);
+    old_form(a, b, ctx);
+    new_form(a, b, ctx);
+    EXPECT_EQ(old_seen, ctx.stream.get()) << "the older form gets the context's stream";
+    EXPECT_EQ(old_sizes, 43u);
+    EXPECT_EQ(ctx_seen, &ctx) << "the context form gets the context itself, not a copy";
+
+    // A mutable lambda (std::function called its target as an lvalue; so does the stage), a
+    // generic one written for the stream, and a copy that calls the same target.
+    int calls = 0;
+    pipe_t::stage counting = [&calls, n = 0](std::span<u32>, std::span<u32>,
+                                             cudawait::stream_ref) mutable { calls = ++n; };
+    counting(a, b, ctx);
+    pipe_t::stage copy = counting;
+    copy(a, b, ctx);
+    EXPECT_EQ(calls, 2);
+    cudaStream_t generic_seen = nullptr;
+    pipe_t::stage generic = [&](auto, auto, auto s) { generic_seen = cudaStream_t(s); };
+    generic(a, b, ctx);
+    EXPECT_EQ(generic_seen, ctx.stream.get());
+    // Mixed in one list, as the constructor takes them.
+    std::vector<pipe_t::stage> both{old_form, new_form};
+    EXPECT_EQ(both.size(), 2u);
+}
+
+TEST(pipeline_stage, an_empty_callable_makes_an_empty_stage) {
+    EXPECT_FALSE(pipe_t::stage{});
+    EXPECT_FALSE(pipe_t::stage(old_stage_fn{nullptr}));
+    EXPECT_FALSE(pipe_t::stage(context_stage_fn{nullptr}));
+    EXPECT_FALSE(
+        pipe_t::stage(std::function<void(std::span<u32>, std::span<u32>, cudawait::stream_ref)>{}));
+    EXPECT_FALSE(
+        pipe_t::stage(std::function<void(std::span<u32>, std::span<u32>, const stage_context&)>{}));
+    // The pipeline refuses them before any CUDA call.
+    pipeline_options o;
+    o.chunk_elements = 1024;
+    EXPECT_THROW(pipe_t(o, {pipe_t::stage(old_stage_fn{nullptr})}), usage_error);
+}
+
+TEST(pipeline_stage, stage_streams_need_one_compute_stream) {
+    pipeline_options o;
+    o.chunk_elements = 1024;
+    o.stage_streams = true;
+    o.compute_streams = 2;
+    try {
+        pipe_t p(o, {transform_stage(), transform_stage()});
+        ADD_FAILURE() << "no exception";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("compute_streams"), std::string::npos) << e.what();
+    }
+    o.compute_streams = 1;
+    o.scratch_bytes = std::size_t(-1) - 10;
+    EXPECT_THROW(pipe_t(o, {transform_stage()}), usage_error) << "scratch size overflows";
+}
+
+/// `in` through the transform with each of `salts` in turn, chunk by chunk (the index restarts
+/// in each chunk).
+std::vector<u32> transforms_on_host(const std::vector<u32>& in, std::size_t chunk,
+                                    const std::vector<u32>& salts) {
+    std::vector<u32> cur = in;
+    std::vector<u32> next(in.size());
+    for (u32 st : salts) {
+        for (std::size_t off = 0; off < in.size(); off += chunk) {
+            std::size_t n = std::min(chunk, in.size() - off);
+            cudawait::testing::transform_on_host(cur.data() + off, next.data() + off, n, st);
+        }
+        cur.swap(next);
+    }
+    return cur;
+}
+
+/// A stage of the context form that launches the transform with its own salt, slowly if asked.
+pipe_t::stage salted_stage(u32 stage_salt, std::uint64_t spin_ns = 0) {
+    return [stage_salt, spin_ns](std::span<u32> in, std::span<u32> out, const stage_context& c) {
+        cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(),
+                                                            stage_salt, spin_ns, c.stream.get()),
+                        "launch_transform");
+    };
+}
+
+/// What stages saw of the scratch.
+struct scratch_log {
+    explicit scratch_log(unsigned depth) : per_slot(depth) {}
+    std::vector<std::set<std::uintptr_t>> per_slot; ///< scratch addresses each slot handed out
+    std::size_t calls = 0;
+    std::size_t wrong_size = 0;
+    std::size_t misaligned = 0;
+    std::size_t bad_slot = 0;
+};
+
+/// A stage that goes through the slot's scratch: copies its input there (after `spin_ns`), then
+/// writes out = transform(scratch) with its own salt. The output is right only if the scratch
+/// held this chunk's input, from this stage, when the transform read it.
+pipe_t::stage scratch_stage(u32 stage_salt, std::uint64_t spin_ns, std::size_t bytes,
+                            scratch_log& log) {
+    return [stage_salt, spin_ns, bytes, &log](std::span<u32> in, std::span<u32> out,
+                                              const stage_context& c) {
+        ++log.calls;
+        const auto at = reinterpret_cast<std::uintptr_t>(c.scratch.data());
+        if (c.slot < log.per_slot.size()) {
+            log.per_slot[c.slot].insert(at);
+        } else {
+            ++log.bad_slot;
+        }
+        log.wrong_size += c.scratch.size() != bytes ? 1 : 0;
+        log.misaligned += at % 256 != 0 ? 1 : 0;
+        auto* tmp = reinterpret_cast<u32*>(c.scratch.data());
+        cudawait::check(cudawait::testing::launch_delayed_copy(spin_ns, tmp, in.data(), in.size(),
+                                                               c.stream.get()),
+                        "launch_delayed_copy");
+        cudawait::check(cudawait::testing::launch_transform(tmp, out.data(), in.size(), stage_salt,
+                                                            0, c.stream.get()),
+                        "launch_transform");
+    };
+}
+
+TEST_F(pipeline_gpu, stages_share_the_slot_scratch_which_is_stable_aligned_and_disjoint) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 10 + 777; // eleven chunks, the last short
+    const unsigned depth = 3;
+    const std::size_t bytes = chunk * sizeof(u32) + 100; // not a multiple of the alignment
+    const std::vector<u32> salts{0x1234, 0xabcd};
+    auto data = random_words(n, 61);
+    auto want = transforms_on_host(data, chunk, salts);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, data);
+    for (bool graph : {false, true}) {
+        for (bool own_streams : {false, true}) {
+            SCOPED_TRACE(std::string(graph ? "graph" : "plain") +
+                         (own_streams ? ", stage streams" : ""));
+            pipeline_options o;
+            o.chunk_elements = chunk;
+            o.depth = depth;
+            o.graph = graph;
+            o.stage_streams = own_streams;
+            o.scratch_bytes = bytes;
+            scratch_log log(depth);
+            // Both stages use the whole scratch, one after the other.
+            pipe_t p(o, {scratch_stage(salts[0], 100'000, bytes, log),
+                         scratch_stage(salts[1], 0, bytes, log)});
+            cudawait::scheduler sched;
+            // Pinned (run-ahead: chunks of one slot queued behind each other) and pageable.
+            std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            std::vector<u32> got(pout.begin(), pout.end());
+            EXPECT_EQ(first_mismatch(got, want), n);
+            std::vector<u32> out(n, 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(data, out));
+            EXPECT_EQ(first_mismatch(out, want), n);
+
+            // Plain: every chunk calls both stages, twice over. Graph: each slot's capture once,
+            // and the short chunk (outside the graph) in each run.
+            EXPECT_EQ(log.calls, graph ? 2u * (depth + 2) : 2u * 11 * 2);
+            EXPECT_EQ(log.wrong_size, 0u);
+            EXPECT_EQ(log.misaligned, 0u);
+            EXPECT_EQ(log.bad_slot, 0u);
+            std::vector<std::uintptr_t> starts;
+            for (unsigned sl = 0; sl < depth; ++sl) {
+                ASSERT_EQ(log.per_slot[sl].size(), 1u) << "slot " << sl << ": one scratch";
+                starts.push_back(*log.per_slot[sl].begin());
+            }
+            std::sort(starts.begin(), starts.end());
+            for (std::size_t i = 1; i < starts.size(); ++i) {
+                EXPECT_GE(starts[i] - starts[i - 1], bytes) << "slots' scratch overlaps";
+            }
+        }
+    }
+}
+
+/// What stages were told, one record per call.
+struct context_record {
+    unsigned stage;
+    unsigned slot;
+    int device;
+    std::size_t chunk;
+    cudaStream_t stream;
+};
+
+/// A salted transform stage that records its context.
+pipe_t::stage recording_stage(u32 stage_salt, std::vector<context_record>& log) {
+    return [stage_salt, &log](std::span<u32> in, std::span<u32> out, const stage_context& c) {
+        log.push_back({c.stage, c.slot, c.device, c.chunk, c.stream.get()});
+        EXPECT_TRUE(c.scratch.empty()) << "scratch_bytes 0: an empty span";
+        cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(),
+                                                            stage_salt, 0, c.stream.get()),
+                        "launch_transform");
+    };
+}
+
+/// Checks the records of `chunks` chunks through 3 stages on `depth` slots: each stage's index,
+/// a slot below the depth and the same for all stages of a chunk, the device, every chunk seen
+/// once by each stage; with own streams stage k on compute_stream(k), else all of a chunk's
+/// stages on one of the compute streams.
+void check_contexts(const std::vector<context_record>& log, const pipe_t& p, std::size_t chunks,
+                    bool own_streams) {
+    const pipeline_options& o = p.options();
+    ASSERT_EQ(log.size(), 3 * chunks);
+    std::vector<unsigned> slot_of(chunks, ~0u);
+    std::vector<cudaStream_t> stream_of(chunks, nullptr);
+    for (unsigned k = 0; k < 3; ++k) {
+        std::multiset<std::size_t> seen;
+        for (const context_record& r : log) {
+            if (r.stage != k) {
+                continue;
+            }
+            seen.insert(r.chunk);
+            ASSERT_LT(r.chunk, chunks);
+            EXPECT_LT(r.slot, o.depth);
+            EXPECT_EQ(r.device, o.device);
+            if (slot_of[r.chunk] == ~0u) {
+                slot_of[r.chunk] = r.slot;
+            }
+            EXPECT_EQ(r.slot, slot_of[r.chunk]) << "chunk " << r.chunk << " changed slots";
+            if (own_streams) {
+                EXPECT_EQ(r.stream, p.compute_stream(k).get()) << "stage " << k;
+            } else {
+                if (stream_of[r.chunk] == nullptr) {
+                    stream_of[r.chunk] = r.stream;
+                }
+                EXPECT_EQ(r.stream, stream_of[r.chunk]) << "chunk " << r.chunk;
+                bool compute = false;
+                for (unsigned i = 0; i < o.compute_streams; ++i) {
+                    compute = compute || r.stream == p.compute_stream(i).get();
+                }
+                EXPECT_TRUE(compute) << "chunk " << r.chunk << " outside the compute streams";
+            }
+        }
+        EXPECT_EQ(seen.size(), chunks) << "stage " << k;
+        for (std::size_t c = 0; c < chunks; ++c) {
+            EXPECT_EQ(seen.count(c), 1u) << "stage " << k << ", chunk " << c;
+        }
+    }
+}
+
+TEST_F(pipeline_gpu, stage_context_tells_stage_slot_device_and_chunk) {
+    const std::size_t chunk = 10'000;
+    const std::size_t n = chunk * 7 + 5; // eight chunks
+    const std::vector<u32> salts{0x11, 0x22, 0x33};
+    auto data = random_words(n, 62);
+    auto want = transforms_on_host(data, chunk, salts);
+    std::vector<std::vector<u32>> pieces;
+    for (std::size_t i = 0; i < 6; ++i) {
+        pieces.push_back(random_words(i == 5 ? 333 : chunk, 700 + i));
+    }
+    for (bool own_streams : {false, true}) {
+        SCOPED_TRACE(own_streams ? "stage streams" : "compute streams");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.compute_streams = own_streams ? 1 : 2;
+        o.stage_streams = own_streams;
+        std::vector<context_record> log;
+        pipe_t p(o, {recording_stage(salts[0], log), recording_stage(salts[1], log),
+                     recording_stage(salts[2], log)});
+        cudawait::scheduler sched;
+        std::vector<u32> out(n, 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(data, out));
+        EXPECT_EQ(first_mismatch(out, want), n);
+        check_contexts(log, p, 8, own_streams);
+        // Streaming: the chunk is the submission index, from 0 in each session.
+        log.clear();
+        auto outs = stream_all(sched, p, pieces);
+        ASSERT_EQ(outs.size(), pieces.size());
+        for (std::size_t i = 0; i < pieces.size(); ++i) {
+            EXPECT_EQ(outs[i], transforms_on_host(pieces[i], chunk, salts)) << "chunk " << i;
+        }
+        check_contexts(log, p, pieces.size(), own_streams);
+    }
+}
+
+TEST_F(pipeline_gpu, in_graph_mode_the_stages_are_called_once_per_slot_on_the_capture_stream) {
+    const std::size_t chunk = 10'000;
+    const std::size_t n = chunk * 7 + 5; // seven full chunks, one short
+    const std::vector<u32> salts{0x11, 0x22, 0x33};
+    auto data = random_words(n, 63);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, data);
+    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.graph = true;
+    o.stage_streams = true;
+    std::vector<context_record> log;
+    pipe_t p(o, {recording_stage(salts[0], log), recording_stage(salts[1], log),
+                 recording_stage(salts[2], log)});
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+    std::vector<u32> got(pout.begin(), pout.end());
+    EXPECT_EQ(first_mismatch(got, transforms_on_host(data, chunk, salts)), n);
+    for (unsigned k = 0; k < 3; ++k) {
+        std::set<unsigned> captured_slots;
+        std::size_t plain = 0;
+        for (const context_record& r : log) {
+            if (r.stage != k) {
+                continue;
+            }
+            if (r.stream == p.compute_stream(k).get()) {
+                ++plain;
+                EXPECT_EQ(r.chunk, 7u) << "only the short chunk runs outside the graph";
+            } else {
+                EXPECT_TRUE(captured_slots.insert(r.slot).second) << "slot captured twice";
+                EXPECT_LT(r.chunk, 7u);
+            }
+        }
+        EXPECT_EQ(captured_slots.size(), 3u) << "stage " << k;
+        EXPECT_EQ(plain, 1u) << "stage " << k;
+    }
+}
+
+// Timing: excluded from the sanitizer passes (their name has "overlap").
+TEST_F(pipeline_gpu, stage_streams_overlap_the_stages_of_successive_chunks) {
+    const std::size_t chunk = 4096; // 16 blocks per kernel: all resident at once
+    const std::size_t chunks = 12;
+    const std::size_t n = chunk * chunks;
+    const std::uint64_t ms = 1'000'000;
+    const std::vector<std::uint64_t> spin{2 * ms, 4 * ms, 2 * ms};
+    const std::vector<u32> salts{0x1111, 0x2222, 0x3333};
+    const double stage_sum = static_cast<double>(chunks * (2 + 4 + 2)) * 1e-3; // seconds
+    auto data = random_words(n, 64);
+    auto want = transforms_on_host(data, chunk, salts);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, data);
+    cudawait::scheduler sched;
+    for (bool own_streams : {true, false}) {
+        SCOPED_TRACE(own_streams ? "stage streams" : "one compute stream");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.stage_streams = own_streams;
+        o.timing = true;
+        pipe_t p(o, {salted_stage(salts[0], spin[0]), salted_stage(salts[1], spin[1]),
+                     salted_stage(salts[2], spin[2])});
+        double wall = 0;
+        for (int run = 0; run < 2; ++run) { // the first warms up (module loading)
+            std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+            const auto t0 = std::chrono::steady_clock::now();
+            cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            std::vector<u32> got(pout.begin(), pout.end());
+            ASSERT_EQ(first_mismatch(got, want), n) << "run " << run;
+        }
+        auto st = p.stats();
+        EXPECT_EQ(st.gpu_chunks, chunks);
+        // A chunk's compute time runs from its first stage's start to its last one's end.
+        EXPECT_GE(st.compute_seconds, 0.95 * stage_sum);
+        if (own_streams) {
+            // Stage 1 (4 ms) bounds the rate: about 2 + 12 x 4 + 2 ms against 96 ms in sum.
+            EXPECT_LT(wall, 0.75 * stage_sum) << "wall " << wall << " s, stages " << stage_sum;
+        } else {
+            // One compute stream runs every kernel in turn.
+            EXPECT_GE(wall, 0.95 * stage_sum) << "wall " << wall << " s, stages " << stage_sum;
+        }
+    }
+}
+
 } // namespace

@@ -3,9 +3,11 @@
 
 // Synopsis
 //   pipeline<float> pipe(options, {stage...}, fallback);
-//       stage:    void(std::span<float> dev_in, std::span<float> dev_out, stream_ref s)
-//                 launches the chunk's kernels on `s` (device spans, the chunk's own lengths:
-//                 stage 0 reads the chunk's input, a later stage the previous one's output)
+//       stage:    void(std::span<float> dev_in, std::span<float> dev_out, const stage_context& c)
+//                 launches the chunk's kernels on `c.stream` (device spans, the chunk's own
+//                 lengths: stage 0 reads the chunk's input, a later stage the previous one's
+//                 output); or the older void(dev_in, dev_out, stream_ref s), launching on `s`
+//       stage_context (pipeline_stage.hpp): stream, slot, stage, device, chunk, scratch
 //       fallback: void(std::size_t chunk, std::span<const float> in, std::span<float> out)
 //                 computes a chunk on the host when the GPU cannot (optional)
 //
@@ -21,7 +23,32 @@
 // alternate between it and the output buffer, so that the last lands in the output. A stage's
 // input and output are then both spans of the one element type: several stages need In == Out
 // (else the constructor throws usage_error); one stage may launch any number of kernels. A
-// chunk's stages run in order on one compute stream.
+// chunk's stages run in order on one compute stream (with stage_streams each on its own, below).
+//
+// Stage context. Each stage is told its stream, its slot (0 .. depth-1), its index, the device,
+// the chunk (index in the batch, or submission index) and the slot's scratch: scratch_bytes of
+// device memory per slot, allocated once at construction, 256-byte aligned, the same bytes for
+// every chunk of the slot, uninitialised (it holds whatever the slot's last chunk left). A stage
+// that calls a library (CUB temp storage, a cuBLAS workspace) hands it the scratch and allocates
+// nothing per chunk. The stages of one chunk share it in order, and that is safe: a slot's next
+// chunk starts its stages only after its previous chunk's stages (and D2H) finished, and other
+// slots have their own scratch. In graph mode the stages are called once per slot, when its graph
+// is captured, with the context of the chunk that built it (work that depends on ctx.chunk would
+// replay that chunk's value): the context's stream is then the capture stream and the scratch the
+// slot's, so the captured work uses that scratch in every replay.
+//
+// Stages that overlap across chunks: with `stage_streams`, stage k of every chunk runs on its own
+// compute stream k (one per stage, compute_stream(k), created with the compute priority). Stage
+// k of a chunk waits for stage k-1 of the same chunk, the first for the chunk's H2D and the
+// slot's previous D2H, and the D2H for the last stage (events of the slot), so that stage 2 of
+// chunk i runs while stage 1 of chunk i+1 does: decode, preprocess, infer and postprocess at
+// once, given depth >= the number of stages. It replaces compute_streams (which must stay 1,
+// else usage_error): the stages of one chunk are serial, so the stage streams are the lanes.
+// Graph mode is not changed by it: a slot's graph captures the stages in order on one stream,
+// and replays of different slots (each slot's graph stream) overlap one another anyway; a short
+// chunk outside the graph takes the stage streams. With `timing`, a chunk's compute time runs
+// from its first stage's start to its last stage's end (waits for an earlier chunk's stage on a
+// stage's stream included).
 //
 // Each chunk goes H2D on one stream, through the stages on a compute stream, D2H on a third; the
 // streams are non-blocking and ordered by events only, so copies in both directions and kernels
@@ -81,6 +108,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/pipeline_stage.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
 
@@ -109,8 +137,9 @@ class pipeline {
     using core = detail::pipeline_core<In, Out>;
 
 public:
-    /// Launches a chunk's kernels on `s`. Stages are chained: `in` is the chunk's device input
-    /// for the first stage and the previous stage's output for the others.
+    /// Launches a chunk's kernels on `ctx.stream` (or, the older form, on the stream it is
+    /// given); see pipeline_stage.hpp. Stages are chained: `in` is the chunk's device input for
+    /// the first stage and the previous stage's output for the others.
     using stage = typename core::stage;
     /// Computes chunk `chunk` on the host when the GPU cannot.
     using fallback = typename core::fallback;
@@ -119,8 +148,8 @@ public:
     /// A chunk's output, in submission order; the slot is reused once this is destroyed.
     using result = detail::pipeline_result<In, Out>;
 
-    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, or several
-    ///         stages with In != Out; cuda_error
+    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, several
+    ///         stages with In != Out, or stage_streams with compute_streams != 1; cuda_error
     pipeline(pipeline_options options, std::vector<stage> stages, fallback on_gpu_failure = {})
         : m_core(std::move(options), std::move(stages), std::move(on_gpu_failure)), m_batch(m_core),
           m_stream(m_core) {}
@@ -210,9 +239,10 @@ public:
     [[nodiscard]] stream_ref h2d_stream() const noexcept { return m_core.h2d; }
     /// The stream outputs are copied back on.
     [[nodiscard]] stream_ref d2h_stream() const noexcept { return m_core.d2h; }
-    /// Compute stream `i` (chunks take them in turn); graph replays run on per-slot streams of
-    /// the same priority.
-    /// @throws usage_error when i >= options().compute_streams
+    /// Compute stream `i` (chunks take them in turn; with stage_streams, stage i's stream); graph
+    /// replays run on per-slot streams of the same priority.
+    /// @throws usage_error when i >= options().compute_streams (with stage_streams: the number
+    ///         of stages)
     [[nodiscard]] stream_ref compute_stream(std::size_t i) const {
         if (i >= m_core.compute.size()) {
             throw usage_error("pipeline::compute_stream: index out of range");

@@ -2,8 +2,8 @@
 #pragma once
 
 // Synopsis
-//   pipeline_options  how a pipeline is built (chunk size, depth, streams, graph, timing,
-//                     timeouts, callbacks, staging pool)
+//   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
+//                     streams, graph, timing, timeouts, callbacks, staging pool)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   pipeline_alert    passed to on_alert when achieved bandwidth stays low
 //   chunk_failure     passed to on_degrade for each degradation step: the chunk, the
@@ -159,6 +159,15 @@ struct pipeline_options {
     /// Stream priorities; unset: compute streams highest, copy streams lowest.
     std::optional<int> compute_priority;
     std::optional<int> transfer_priority;
+    /// Bytes of device scratch per slot, allocated once at construction and handed to every
+    /// stage as stage_context::scratch (256-byte aligned, uninitialised, the same bytes for all
+    /// chunks of a slot): temp storage for a library a stage calls, so that no chunk allocates.
+    /// 0: an empty span.
+    std::size_t scratch_bytes = 0;
+    /// Each stage on its own compute stream (stage k of every chunk on stream k), so that stage
+    /// k of one chunk runs while stage k+1 of the chunk before it does. Needs compute_streams
+    /// == 1; graph replays are not affected (pipeline.hpp).
+    bool stage_streams = false;
     /// Replay each slot's work as a CUDA graph (full chunks; a short last chunk runs plainly).
     bool graph = false;
     /// Timing events per stage, for stats() and alerts.

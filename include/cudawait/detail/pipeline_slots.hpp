@@ -4,14 +4,24 @@
 // The pipeline's slots and the enqueue of one chunk: no waiting on the host here (the drivers,
 // detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await).
 //
-// Who waits on what. Each slot owns device buffers (dev_in, dev_out, and dev_mid for chained
-// stages) and three events, recorded after each use of them. A chunk on slot `s`, plain path:
+// Who waits on what. Each slot owns device buffers (dev_in, dev_out, dev_mid for chained
+// stages, and the stages' scratch) and three events, recorded after each use of them. A chunk on
+// slot `s`, plain path:
 //   H2D     (h2d stream)          waits on s.compute_done: the slot's previous chunk's stages
 //                                 read dev_in; then copies into dev_in, records s.h2d_done.
 //   stages  (compute stream i,    wait on s.h2d_done, and on s.d2h_done: the previous chunk's
 //            taken in turn)       D2H read dev_out; then run in order, record s.compute_done.
 //   D2H     (d2h stream)          waits on s.compute_done; copies dev_out out, records
 //                                 s.d2h_done and then the chunk's own completion event.
+// With options.stage_streams the stages are split over the stage streams (stage k on stream k,
+// shared by all slots, so stage k of one chunk runs while stage k+1 of the one before it does):
+//   stage 0     (stage stream 0)  waits on s.h2d_done and s.d2h_done (as above); runs, records
+//                                 s.stage_done[0] (s.compute_done when it is the only stage).
+//   stage k     (stage stream k)  waits on s.stage_done[k-1]: the same chunk's stage k-1; runs,
+//                                 records s.stage_done[k], the last stage s.compute_done.
+// H2D and D2H wait as above. s.compute_done thus still follows all of the chunk's stages (each
+// waits on the one before), and a slot's next chunk reaches stage 0 only after this one's D2H,
+// so the stages of one slot's chunks never overlap: dev_mid and the scratch need no events.
 // Graph path (full chunks with options.graph): the slot's graph stream waits on
 // s.compute_done and s.d2h_done (plain-path work on the slot, a short chunk, goes first), replays
 // the slot's graph (H2D node -> stages -> D2H node, ordered inside the graph), then records
@@ -28,6 +38,7 @@
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/pipeline_stage.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/trace.hpp>
 
@@ -35,6 +46,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <functional>
@@ -106,15 +118,41 @@ private:
 /// need) and the events that order the slot's reuse on the GPU.
 template <class In, class Out>
 struct pipeline_slot {
+    /// Scratch alignment: what cudaMalloc gives, and what library temp storage expects.
+    static constexpr std::size_t scratch_alignment = 256;
+
     /// The device buffers are allocated in `alloc`'s order.
     /// @throws cuda_error
-    pipeline_slot(const pipeline_options& o, bool chained, stream_ref alloc, int graph_priority)
+    pipeline_slot(const pipeline_options& o, std::size_t stages, stream_ref alloc,
+                  int graph_priority)
         : dev_in(o.chunk_elements, alloc), dev_out(o.output_elements, alloc),
-          dev_mid(chained ? device_buffer<Out>(o.output_elements, alloc) : device_buffer<Out>()),
-          h2d_done(device_ref(o.device)), compute_done(device_ref(o.device)),
-          d2h_done(device_ref(o.device)), graph_stream(device_ref(o.device), graph_priority) {}
+          dev_mid(stages > 1 ? device_buffer<Out>(o.output_elements, alloc) : device_buffer<Out>()),
+          scratch_memory(padded_scratch(o.scratch_bytes, alloc)), h2d_done(device_ref(o.device)),
+          compute_done(device_ref(o.device)), d2h_done(device_ref(o.device)),
+          graph_stream(device_ref(o.device), graph_priority) {
+        if (o.scratch_bytes != 0) {
+            // The stream-ordered allocator promises less alignment than cudaMalloc's 256 bytes
+            // in writing; the spare bytes make the span's start aligned whatever it returns.
+            auto at = reinterpret_cast<std::uintptr_t>(scratch_memory.data());
+            std::size_t skip = (scratch_alignment - at % scratch_alignment) % scratch_alignment;
+            scratch = std::span<std::byte>(scratch_memory.data() + skip, o.scratch_bytes);
+        }
+        if (o.stage_streams) {
+            for (std::size_t k = 0; k + 1 < stages; ++k) {
+                stage_done.emplace_back(device_ref(o.device));
+            }
+        }
+    }
     pipeline_slot(const pipeline_slot&) = delete;
     pipeline_slot& operator=(const pipeline_slot&) = delete;
+
+    /// `bytes` of scratch and room to align its start; none for 0.
+    static device_buffer<std::byte> padded_scratch(std::size_t bytes, stream_ref alloc) {
+        if (bytes == 0) {
+            return {};
+        }
+        return device_buffer<std::byte>(bytes + scratch_alignment - 1, alloc);
+    }
 
     /// @throws std::bad_alloc, cuda_error
     void ensure_host_buffers(const pipeline_options& o, pinned_pool& pool) {
@@ -128,12 +166,15 @@ struct pipeline_slot {
 
     device_buffer<In> dev_in;
     device_buffer<Out> dev_out;
-    device_buffer<Out> dev_mid; // chained stages: the outputs alternate with dev_out
-    pinned_buffer<In> host_in;  // staging, streaming and graph placeholders only
+    device_buffer<Out> dev_mid;              // chained stages: the outputs alternate with dev_out
+    device_buffer<std::byte> scratch_memory; // scratch, with room to align its start
+    std::span<std::byte> scratch;            // the stages' scratch (aligned) in it
+    pinned_buffer<In> host_in;               // staging, streaming and graph placeholders only
     pinned_buffer<Out> host_out;
     event h2d_done;
     event compute_done;
     event d2h_done;
+    std::vector<event> stage_done; // stage_streams: stage k of the slot's chunk finished (k < last)
     stream graph_stream;
     slot_graph graph;
 };
@@ -166,7 +207,7 @@ inline chunk_error chunk_error_of(const cuda_error& e) {
 /// monitor, and the state of degradation and of the session rule.
 template <class In, class Out>
 struct pipeline_core {
-    using stage = std::function<void(std::span<In> in, std::span<Out> out, stream_ref s)>;
+    using stage = pipeline_stage<In, Out>;
     using fallback =
         std::function<void(std::size_t chunk, std::span<const In> in, std::span<Out> out)>;
     using slot = pipeline_slot<In, Out>;
@@ -175,8 +216,8 @@ struct pipeline_core {
     /// Chunks in flight per slot when the host may run ahead (pinned host ranges).
     static constexpr std::size_t runahead_factor = 4;
 
-    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, or several
-    ///         stages with In != Out; cuda_error
+    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, several
+    ///         stages with In != Out, or stage_streams with compute_streams != 1; cuda_error
     pipeline_core(pipeline_options o, std::vector<stage> s, fallback f)
         : options(validated(std::move(o))), stages(checked(std::move(s))),
           on_gpu_failure(std::move(f)),
@@ -242,7 +283,10 @@ struct pipeline_core {
             return;
         }
         using m = pipeline_monitor;
-        stream_ref cs = compute[compute_next++ % compute.size()];
+        // With stage_streams, compute[k] is stage k's stream, and stage 0 starts the chunk there.
+        stream_ref cs = options.stage_streams
+                            ? stream_ref(compute.front())
+                            : stream_ref(compute[compute_next++ % compute.size()]);
         {
             trace_range r("h2d", f.chunk);
             h2d.wait(sl.compute_done.get()); // the previous chunk's stages read dev_in
@@ -265,19 +309,12 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::compute_start].record(cs);
             }
-            try {
-                launch_stages(sl, f.count, f.output_count, cs, true);
-            } catch (...) {
-                // Whatever the stages did launch must finish before the slot is reused. The
-                // stage's exception is the one that goes on; a failed record is reported.
-                detail::report(cudaEventRecord(sl.compute_done.get(), cs.get()),
-                               "cudaEventRecord");
-                throw;
-            }
+            // The last stage's stream: the chunk's stages end there.
+            stream_ref last = launch_stages(f, sl, cs, options.stage_streams, true);
             if (f.timed) {
-                (*t)[m::compute_end].record(cs);
+                (*t)[m::compute_end].record(last);
             }
-            sl.compute_done.record(cs);
+            sl.compute_done.record(last);
         }
         {
             trace_range r("d2h", f.chunk);
@@ -384,6 +421,13 @@ private:
         if (o.output_elements == 0) {
             o.output_elements = o.chunk_elements;
         }
+        if (o.stage_streams && o.compute_streams != 1) {
+            throw usage_error("pipeline: stage_streams gives each stage its own compute stream; "
+                              "compute_streams must stay 1");
+        }
+        if (o.scratch_bytes > std::size_t(-1) / 2) {
+            throw usage_error("pipeline: scratch_bytes is too large");
+        }
         if (o.queue_capacity == 0) {
             o.queue_capacity = (2 + std::size_t{o.compute_streams}) * 2;
         }
@@ -404,11 +448,13 @@ private:
     int transfer_priority() const {
         return options.transfer_priority.value_or(priority_low(device_ref(options.device)));
     }
+    // With stage_streams, one per stage: stage k of every chunk runs on compute[k].
     std::vector<stream> make_compute_streams() const {
         device_ref dev(options.device);
         int high = options.compute_priority.value_or(priority_high(dev));
         std::vector<stream> v;
-        for (unsigned i = 0; i < options.compute_streams; ++i) {
+        const std::size_t n = options.stage_streams ? stages.size() : options.compute_streams;
+        for (std::size_t i = 0; i < n; ++i) {
             v.emplace_back(dev, high);
         }
         return v;
@@ -417,41 +463,71 @@ private:
         std::vector<std::unique_ptr<slot>> v;
         v.reserve(options.depth);
         for (unsigned i = 0; i < options.depth; ++i) {
-            v.push_back(std::make_unique<slot>(options, stages.size() > 1, h2d,
-                                               compute.front().priority()));
+            v.push_back(
+                std::make_unique<slot>(options, stages.size(), h2d, compute.front().priority()));
         }
         return v;
     }
 
-    // Launches the stages for a chunk of `count` inputs and `out_count` outputs on `s`, chained:
-    // stage 0 reads dev_in, each later one the previous one's output; the destinations alternate
-    // between dev_mid and dev_out so that the last stage writes dev_out. A slot's next chunk
-    // reaches its stages only after this one's finished (its H2D waits for compute_done), so
-    // dev_mid needs no event of its own.
-    void launch_stages(slot& sl, std::size_t count, std::size_t out_count, stream_ref s,
-                       bool check_launches) {
-        std::span<In> din(sl.dev_in.data(), count);
-        std::span<Out> dout(sl.dev_out.data(), out_count);
-        if (stages.size() == 1) {
-            stages.front()(din, dout, s);
-            if (check_launches) {
-                check(cudaGetLastError(), "pipeline stage launch");
-            }
-            return;
-        }
-        if constexpr (std::is_same_v<In, Out>) { // several stages need it (checked())
-            std::span<Out> dmid(sl.dev_mid.data(), out_count);
-            const std::size_t n = stages.size();
-            std::span<In> src = din;
-            for (std::size_t i = 0; i < n; ++i) {
-                std::span<Out> dst = (n - 1 - i) % 2 == 0 ? dout : dmid;
-                stages[i](src, dst, s);
-                if (check_launches) {
+    // Launches the stages of chunk `f` on its slot, chained: stage 0 reads dev_in, each later one
+    // the previous one's output; the destinations alternate between dev_mid and dev_out so that
+    // the last stage writes dev_out. All stages run on `first` (a compute stream, the capture
+    // stream), or with `own_streams` stage k on compute[k] after the same chunk's stage k-1
+    // (s.stage_done). A slot's next chunk reaches its stages only after this one's finished (see
+    // the top of this file), so dev_mid and the scratch need no events of their own. `plain`:
+    // not capturing, so launch errors are checked and, when a stage throws, s.compute_done is
+    // recorded after what did launch (it must finish before the slot is reused). Returns the
+    // last stage's stream.
+    stream_ref launch_stages(const flight& f, slot& sl, stream_ref first, bool own_streams,
+                             bool plain) {
+        const std::size_t n = stages.size();
+        std::span<In> din(sl.dev_in.data(), f.count);
+        std::span<Out> dout(sl.dev_out.data(), f.output_count);
+        stage_context ctx{.stream = first,
+                          .slot = static_cast<unsigned>(f.slot),
+                          .stage = 0,
+                          .device = options.device,
+                          .chunk = f.chunk,
+                          .scratch = sl.scratch};
+        stream_ref tail = first; // follows everything launched so far
+        for (std::size_t k = 0; k < n; ++k) {
+            ctx.stage = static_cast<unsigned>(k);
+            try {
+                if (own_streams && k > 0) {
+                    ctx.stream = compute[k];
+                    ctx.stream.wait(sl.stage_done[k - 1].get());
+                    tail = ctx.stream;
+                }
+                if (k == 0) {
+                    stages[0](din, n == 1 ? dout : stage_output(sl, 0, f.output_count), ctx);
+                } else if constexpr (std::is_same_v<In, Out>) { // several stages need it
+                    stages[k](stage_output(sl, k - 1, f.output_count),
+                              stage_output(sl, k, f.output_count), ctx);
+                }
+                if (plain) {
                     check(cudaGetLastError(), "pipeline stage launch");
                 }
-                src = dst;
+            } catch (...) {
+                if (plain) {
+                    // Whatever the stages did launch must finish before the slot is reused.
+                    detail::report(cudaEventRecord(sl.compute_done.get(), tail.get()),
+                                   "cudaEventRecord");
+                }
+                throw;
+            }
+            if (own_streams && k + 1 < n) {
+                sl.stage_done[k].record(ctx.stream);
             }
         }
+        return ctx.stream;
+    }
+
+    // Where stage k of n writes (when there are several): dev_out for the last stage, and
+    // alternately dev_mid and dev_out before it.
+    std::span<Out> stage_output(slot& sl, std::size_t k, std::size_t out_count) const {
+        const std::size_t n = stages.size();
+        Out* p = (n - 1 - k) % 2 == 0 ? sl.dev_out.data() : sl.dev_mid.data();
+        return std::span<Out>(p, out_count);
     }
 
     // The slot's graph is built with the first full chunk's host pointers; later chunks set
@@ -463,8 +539,8 @@ private:
             sl.graph.build(sl.dev_in.data(), src, options.chunk_elements * sizeof(In), dst,
                            sl.dev_out.data(), options.output_elements * sizeof(Out),
                            device_ref(options.device), [&](stream_ref capture_stream) {
-                               launch_stages(sl, options.chunk_elements, options.output_elements,
-                                             capture_stream, false);
+                               // One capture stream for all stages, stage_streams or not.
+                               launch_stages(f, sl, capture_stream, false, false);
                            });
         }
         // The addresses of the host ends change per chunk; the device ones are the slot's.
