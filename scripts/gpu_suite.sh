@@ -50,15 +50,15 @@ if has memcheck; then
     [ $rc -eq 0 ] || status=1
   }
   failing_calls='*impossible_size*:*timing_disabled*'
-  for t in device stream event pinned_pool pinned_buffer device_buffer mapped_buffer copy; do
+  for t in device stream event graph pinned_pool pinned_buffer device_buffer mapped_buffer copy timeout; do
     run_memcheck "${t}_test" "-*kernel_fault*:*no_device*:*without_a_device*:*churn*:$failing_calls" 180
   done
   run_memcheck device_buffer_test "$failing_calls" 120 --report-api-errors no
   run_memcheck event_test "$failing_calls" 120 --report-api-errors no
-  failing_launches='*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*'
-  # The chunk-size test compares kernel with copy times, which the sanitizer skews.
+  failing_launches='*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*throwing_fallback*'
+  # The chunk-size and stage-overlap tests compare times, which the sanitizer skews.
   run_memcheck pipeline_test \
-    "-*no_device*:*without_a_device*:*sticky_fault*:*timeout*:*hung*:*suggested_chunk_size*:$failing_launches" 300
+    "-*no_device*:*without_a_device*:*sticky_fault*:*timeout*:*hung*:*suggested_chunk_size*:*overlap*:$failing_launches" 300
   run_memcheck pipeline_test "$failing_launches" 300 --report-api-errors no
   run_memcheck scheduler_test '-*kernel_fault*:*no_device*:*ten_thousand*' 120
   run_memcheck scheduler_test '*ten_thousand*' "${MEMCHECK_LONG_LIMIT:-240}"
@@ -69,7 +69,7 @@ if has racecheck; then
   for t in pinned_pool pinned_buffer device_buffer mapped_buffer copy pipeline; do
     timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
       "$build/tests/${t}_test" \
-      --gtest_filter='-*no_device*:*without_a_device*:*sticky_fault*:*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*timeout*:*hung*:*impossible_size*:*suggested_chunk_size*:*churn*' \
+      --gtest_filter='-*no_device*:*without_a_device*:*sticky_fault*:*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*throwing_fallback*:*timeout*:*hung*:*impossible_size*:*suggested_chunk_size*:*churn*:*overlap*' \
       >>"$logs/racecheck.log" 2>&1
     rc=$?
     echo "racecheck ${t}_test: rc=$rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$logs/racecheck.log" | tail -1)"
