@@ -322,7 +322,7 @@ const latency_runs& latency() {
 /// Feeds the pooled per-round-trip times (seconds) of `key` to Google Benchmark as manual
 /// iteration times, publishes the percentiles as counters and keeps the p50 for the summary.
 void publish_latency(benchmark::State& state, const char* key) {
-    const std::vector<double>& samples = samples_of(latency().samples, key);
+    const std::vector<double> samples = samples_of(latency().samples, key);
     replay(state, samples);
     std::vector<double> sorted = samples;
     std::sort(sorted.begin(), sorted.end());
@@ -540,7 +540,7 @@ const runs_by_variant& throughput() {
 
 /// Feeds one variant's run times to Google Benchmark and publishes the median rate.
 void publish_throughput(benchmark::State& state, const char* key) {
-    const std::vector<double>& run_seconds = samples_of(throughput(), key);
+    const std::vector<double> run_seconds = samples_of(throughput(), key);
     replay(state, run_seconds);
     std::vector<double> rates;
     for (double secs : run_seconds) {

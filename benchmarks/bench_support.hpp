@@ -134,9 +134,10 @@ runs_by_variant interleaved(std::int64_t rounds, const Names& names, Run&& run, 
     return runs;
 }
 
-/// The samples of `variant`. @throws std::runtime_error when there are none
-inline const std::vector<double>& samples_of(const runs_by_variant& runs,
-                                             const std::string& variant) {
+/// A copy of the samples of `variant`. @throws std::runtime_error when there are none
+/// (A copy, not a reference: g++ 13's -Wdangling-reference flags every reference returned by a
+/// call that has temporaries among its arguments, and a few dozen doubles cost nothing here.)
+inline std::vector<double> samples_of(const runs_by_variant& runs, const std::string& variant) {
     auto it = runs.find(variant);
     if (it == runs.end() || it->second.empty()) {
         throw std::runtime_error("no runs of " + variant + " were measured");
@@ -156,9 +157,10 @@ inline void replay(benchmark::State& state, const std::vector<double>& samples) 
 
 /// The value `cache` holds under `key`, measured by `measure()` the first time it is asked for.
 /// Paired benchmarks share one measurement this way: whichever runs first takes it. A throw
-/// stores nothing, so the next benchmark tries again and reports its own error.
+/// stores nothing, so the next benchmark tries again and reports its own error. Returns a copy
+/// (see samples_of).
 template <class V, class Measure>
-const V& measured_once(std::map<std::string, V>& cache, const std::string& key, Measure&& measure) {
+V measured_once(std::map<std::string, V>& cache, const std::string& key, Measure&& measure) {
     auto it = cache.find(key);
     if (it == cache.end()) {
         it = cache.emplace(key, measure()).first;

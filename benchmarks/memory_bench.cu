@@ -290,7 +290,7 @@ runs_by_variant measure_growth() {
 
 void BM_pool_reserve_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const std::vector<double>& runs =
+        const std::vector<double> runs =
             samples_of(measured_once(g_measured, "growth", measure_growth), "pool");
         replay(state, runs);
         const double ms = median(runs) * 1e3;
@@ -304,7 +304,7 @@ void BM_pool_reserve_1GiB(benchmark::State& state) {
 
 void BM_cudaHostAlloc_1GiB(benchmark::State& state) {
     guarded(state, [&] {
-        const std::vector<double>& runs =
+        const std::vector<double> runs =
             samples_of(measured_once(g_measured, "growth", measure_growth), "host");
         replay(state, runs);
         const double ms = median(runs) * 1e3;
@@ -367,10 +367,10 @@ runs_by_variant measure_pinned_copy(std::size_t bytes, std::int64_t rounds, dire
 void BM_pinned_copy(benchmark::State& state, bool library, std::size_t bytes, std::int64_t rounds,
                     direction d) {
     guarded(state, [&] {
-        const runs_by_variant& runs = measured_once(g_measured, copy_key("pinned", bytes, d), [&] {
+        const runs_by_variant runs = measured_once(g_measured, copy_key("pinned", bytes, d), [&] {
             return measure_pinned_copy(bytes, rounds, d);
         });
-        const std::vector<double>& mine = samples_of(runs, kCopyVariants[library ? 0 : 1]);
+        const std::vector<double> mine = samples_of(runs, kCopyVariants[library ? 0 : 1]);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
         const double rate = gbps(bytes, median(mine));
@@ -466,7 +466,7 @@ void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes,
         const runs_by_variant& runs =
             measured_once(g_measured, copy_key("pageable", bytes, d),
                           [&] { return measure_pageable_copy(bytes, rounds, d); });
-        const std::vector<double>& mine = samples_of(runs, kCopyVariants[library ? 0 : 1]);
+        const std::vector<double> mine = samples_of(runs, kCopyVariants[library ? 0 : 1]);
         replay(state, mine);
         state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
         const double rate = gbps(bytes, median(mine));

@@ -171,7 +171,7 @@ std::map<std::string, runs_by_variant> g_measured;
 template <class Measure>
 double replay_variant(benchmark::State& state, const std::string& key, Measure&& measure,
                       const std::string& variant, std::size_t bytes) {
-    const std::vector<double>& mine = samples_of(measured_once(g_measured, key, measure), variant);
+    const std::vector<double> mine = samples_of(measured_once(g_measured, key, measure), variant);
     replay(state, mine);
     state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
     const double secs = median(mine);

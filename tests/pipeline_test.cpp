@@ -482,6 +482,15 @@ TEST_F(pipeline_gpu, streaming_hands_a_failed_chunk_to_the_fallback_in_order) {
 }
 
 TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
+    // The status a bad launch reports (a zero grid: cudaErrorInvalidValue with CUDA 13, which
+    // older runtimes called cudaErrorInvalidConfiguration); not sticky, so it is cleared.
+    cudaError_t bad_launch = cudaSuccess;
+    {
+        cudawait::stream probe;
+        bad_launch = cudawait::testing::launch_bad_config(probe.get());
+    }
+    ASSERT_NE(bad_launch, cudaSuccess);
+    ASSERT_FALSE(cudawait::is_sticky(bad_launch));
     const std::size_t chunk = 20'000;
     const std::size_t n = chunk * 8;
     auto in = random_words(n, 5);
@@ -517,7 +526,7 @@ TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
     EXPECT_EQ(f.device, 0);
     EXPECT_FALSE(f.graph);
     // The typed error: the bad launch's own status, not sticky, not a timeout.
-    EXPECT_EQ(f.error.status, cudaErrorInvalidConfiguration) << f.error.what;
+    EXPECT_EQ(f.error.status, bad_launch) << f.error.what;
     EXPECT_FALSE(f.error.sticky);
     EXPECT_FALSE(f.error.timed_out);
     EXPECT_FALSE(f.error.exception);

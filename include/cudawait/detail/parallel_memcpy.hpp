@@ -66,18 +66,26 @@ public:
             std::memcpy(dst, src, n);
             return;
         }
-        std::size_t per = (n / parts + 4095) / 4096 * 4096;
+        std::size_t per = part_bytes(n, parts);
         auto done = std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(parts - 1));
         auto* d = static_cast<std::byte*>(dst);
         auto* s = static_cast<const std::byte*>(src);
         std::size_t off = per; // the caller takes the first part
         for (std::size_t i = 0; i + 1 < parts; ++i) {
-            std::size_t len = std::min(per, n - off);
+            // The last worker takes the rest; parts * per >= n, so that is at most `per`.
+            std::size_t len = i + 2 == parts ? n - off : per;
             m_workers[i]->push({d + off, s + off, len, done});
             off += len;
         }
-        std::memcpy(d, s, per); // parts * per >= n, so the workers' parts end at n
+        std::memcpy(d, s, per);
         done->wait();
+    }
+
+    /// The bytes of each part but the last: n / parts rounded up, then up to whole pages, so
+    /// that `parts` of them cover all of `n` (rounding n / parts down lost the remainder).
+    [[nodiscard]] static constexpr std::size_t part_bytes(std::size_t n, std::size_t parts) {
+        std::size_t per = (n + parts - 1) / parts;
+        return (per + 4095) / 4096 * 4096;
     }
 
 private:
