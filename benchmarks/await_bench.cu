@@ -26,11 +26,7 @@
 // parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
 // g++ raise -Wsubobject-linkage in nvcc's host pass.
 
-#include "bench_support.hpp"
-
 #include <cudawait/cudawait.hpp>
-
-#include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,9 +46,11 @@
 #include <utility>
 #include <vector>
 
-#include <time.h>
-
 #include <cuda_runtime.h>
+
+#include "bench_support.hpp"
+#include <benchmark/benchmark.h>
+#include <time.h>
 
 namespace bench {
 
@@ -60,22 +58,22 @@ using cudawait::check;
 
 // ---- parameters ------------------------------------------------------------------------------
 
-constexpr std::size_t kWarmupSamples = 1000;  ///< round trips discarded before sampling
-constexpr std::int64_t kSamples = 20000;      ///< round trips sampled per latency benchmark
-constexpr std::size_t kStreams = 64;          ///< streams in the throughput benchmarks
-constexpr std::size_t kWaiters = 10000;       ///< concurrent waiters (coroutines or events)
-constexpr int kAwaitsPerWaiter = 50;          ///< awaits each waiter performs
+constexpr std::size_t kWarmupSamples = 1000; ///< round trips discarded before sampling
+constexpr std::int64_t kSamples = 20000;     ///< round trips sampled per latency benchmark
+constexpr std::size_t kStreams = 64;         ///< streams in the throughput benchmarks
+constexpr std::size_t kWaiters = 10000;      ///< concurrent waiters (coroutines or events)
+constexpr int kAwaitsPerWaiter = 50;         ///< awaits each waiter performs
 constexpr std::uint64_t kCompletions = std::uint64_t{kWaiters} * kAwaitsPerWaiter; // 500k
-constexpr std::int64_t kThroughputRuns = 5;   ///< timed runs per throughput benchmark
+constexpr std::int64_t kThroughputRuns = 5;         ///< timed runs per throughput benchmark
 constexpr std::chrono::milliseconds kIdleWait{200}; ///< GPU time of the idle benchmark's kernel
-constexpr std::int64_t kIdleRuns = 3;         ///< timed waits per idle benchmark
+constexpr std::int64_t kIdleRuns = 3;               ///< timed waits per idle benchmark
 
 // ---- results shared with the summary printed by main() ---------------------------------------
 
-std::map<std::string, double> g_p50_us;          ///< latency variant -> p50 in microseconds
-std::map<std::string, double> g_rate;            ///< throughput variant -> completions per second
-std::map<std::string, double> g_cpu_fraction;    ///< idle policy -> CPU seconds / wall seconds
-std::map<std::string, double> g_overshoot_us;    ///< idle policy -> median wall time - 200 ms
+std::map<std::string, double> g_p50_us;       ///< latency variant -> p50 in microseconds
+std::map<std::string, double> g_rate;         ///< throughput variant -> completions per second
+std::map<std::string, double> g_cpu_fraction; ///< idle policy -> CPU seconds / wall seconds
+std::map<std::string, double> g_overshoot_us; ///< idle policy -> median wall time - 200 ms
 
 // ---- kernels -----------------------------------------------------------------------------------
 
@@ -124,7 +122,7 @@ double percentile(const std::vector<double>& sorted, double p) {
     return sorted[rank - 1];
 }
 
-// ---- 1. round-trip latency -----------------------------------------------------------------------
+// ---- 1. round-trip latency ----------------------------------------------------------------------
 //
 // The six variants are measured together, the first time any of their benchmarks runs, in
 // kLatencyRounds rounds of kLatencyBlock round trips per variant; the order of the variants
@@ -242,8 +240,8 @@ cudawait::task<void> host_func_resume_loop(cudawait::scheduler* sched, cudaStrea
 
 void block_host_func_resume(latency_context& c, std::size_t warmup, std::size_t n,
                             std::vector<double>& out) {
-    cudawait::sync_wait(c.host_func_sched, host_func_resume_loop(&c.host_func_sched,
-                                                                 c.stream.get(), warmup, n, &out));
+    cudawait::sync_wait(c.host_func_sched,
+                        host_func_resume_loop(&c.host_func_sched, c.stream.get(), warmup, n, &out));
     c.stream.sync();
 }
 
@@ -277,16 +275,13 @@ using latency_block = void (*)(latency_context&, std::size_t, std::size_t, std::
 
 /// The variants, in the order of the first round.
 constexpr std::pair<const char*, latency_block> kLatencyVariants[] = {
-    {"stream_sync", &block_stream_sync},
-    {"event_query_spin", &block_event_query_spin},
-    {"host_func", &block_host_func},
-    {"host_func_resume", &block_host_func_resume},
-    {"co_await", &block_co_await},
-    {"co_await_balanced", &block_co_await_balanced},
+    {"stream_sync", &block_stream_sync}, {"event_query_spin", &block_event_query_spin},
+    {"host_func", &block_host_func},     {"host_func_resume", &block_host_func_resume},
+    {"co_await", &block_co_await},       {"co_await_balanced", &block_co_await_balanced},
 };
 
 struct latency_runs {
-    std::map<std::string, std::vector<double>> samples;  ///< variant -> round trips (seconds)
+    std::map<std::string, std::vector<double>> samples;   ///< variant -> round trips (seconds)
     std::map<std::string, std::vector<double>> round_p50; ///< variant -> p50 of each round
 };
 
@@ -354,7 +349,7 @@ void BM_roundtrip_co_await_balanced(benchmark::State& state) {
     guarded(state, [&] { publish_latency(state, "co_await_balanced"); });
 }
 
-// ---- 2. completion throughput --------------------------------------------------------------------
+// ---- 2. completion throughput -------------------------------------------------------------------
 //
 // The three variants' timed runs are interleaved (one run of each per round, the order rotating
 // from round to round) and measured together the first time any of the three benchmarks runs;
@@ -561,7 +556,7 @@ void BM_completions_raw(benchmark::State& state) {
     guarded(state, [&] { publish_throughput(state, "raw"); });
 }
 
-// ---- 3. idle CPU cost ----------------------------------------------------------------------------
+// ---- 3. idle CPU cost ---------------------------------------------------------------------------
 
 /// One long GPU wait: the spin kernel, then `co_await` its stream.
 cudawait::task<void> idle_wait(cudawait::stream_ref s, unsigned long long ns) {
@@ -614,7 +609,7 @@ void BM_idle_cpu_balanced(benchmark::State& state) {
     guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::balanced(), "balanced"); });
 }
 
-// ---- setup and summary ---------------------------------------------------------------------------
+// ---- setup and summary --------------------------------------------------------------------------
 
 /// Creates the context and loads both kernels (lazy module loading loads each on its first
 /// launch), so no benchmark pays for that. It also matters for the throughput benchmarks: on an
@@ -633,17 +628,15 @@ void warm_up_device() {
 void register_benchmarks() {
     using benchmark::RegisterBenchmark;
     // Latency: kSamples manual-time iterations, each fed one measured round trip.
-    for (auto [name, fn] : {std::pair{"BM_roundtrip_stream_sync", &BM_roundtrip_stream_sync},
-                            std::pair{"BM_roundtrip_event_query_spin", &BM_roundtrip_event_query_spin},
-                            std::pair{"BM_roundtrip_host_func", &BM_roundtrip_host_func},
-                            std::pair{"BM_roundtrip_host_func_resume", &BM_roundtrip_host_func_resume},
-                            std::pair{"BM_roundtrip_co_await", &BM_roundtrip_co_await},
-                            std::pair{"BM_roundtrip_co_await_balanced",
-                                      &BM_roundtrip_co_await_balanced}}) {
-        RegisterBenchmark(name, fn)
-            ->UseManualTime()
-            ->Iterations(kSamples)
-            ->Unit(benchmark::kMicrosecond);
+    for (auto [name, fn] :
+         {std::pair{"BM_roundtrip_stream_sync", &BM_roundtrip_stream_sync},
+          std::pair{"BM_roundtrip_event_query_spin", &BM_roundtrip_event_query_spin},
+          std::pair{"BM_roundtrip_host_func", &BM_roundtrip_host_func},
+          std::pair{"BM_roundtrip_host_func_resume", &BM_roundtrip_host_func_resume},
+          std::pair{"BM_roundtrip_co_await", &BM_roundtrip_co_await},
+          std::pair{"BM_roundtrip_co_await_balanced", &BM_roundtrip_co_await_balanced}}) {
+        RegisterBenchmark(name, fn)->UseManualTime()->Iterations(kSamples)->Unit(
+            benchmark::kMicrosecond);
     }
     // Throughput: each iteration is one full run of kCompletions completions, measured (for all
     // three at once) by the first of them that runs.
@@ -661,10 +654,8 @@ void register_benchmarks() {
                             std::pair{"BM_idle_cpu_yielding", &BM_idle_cpu_yielding},
                             std::pair{"BM_idle_cpu_sleeping", &BM_idle_cpu_sleeping},
                             std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced}}) {
-        RegisterBenchmark(name, fn)
-            ->UseManualTime()
-            ->Iterations(kIdleRuns)
-            ->Unit(benchmark::kMillisecond);
+        RegisterBenchmark(name, fn)->UseManualTime()->Iterations(kIdleRuns)->Unit(
+            benchmark::kMillisecond);
     }
 }
 
@@ -707,18 +698,17 @@ void print_summary() {
         std::printf("\nRound trip, empty kernel launch -> waiter resumed (p50 of %zu samples per "
                     "variant, in %zu interleaved rounds)\n",
                     kLatencyRounds * kLatencyBlock, kLatencyRounds);
-        for (const char* k :
-             {"stream_sync", "event_query_spin", "host_func", "host_func_resume", "co_await",
-              "co_await_balanced"}) {
+        for (const char* k : {"stream_sync", "event_query_spin", "host_func", "host_func_resume",
+                              "co_await", "co_await_balanced"}) {
             if (auto it = g_p50_us.find(k); it != g_p50_us.end()) {
                 std::printf("  %-20s %9.2f us\n", k, it->second);
             }
         }
-        for (auto [a, b] : {std::pair{"co_await", "event_query_spin"},
-                            std::pair{"co_await_balanced", "event_query_spin"},
-                            std::pair{"host_func", "co_await"},
-                            std::pair{"host_func_resume", "co_await"},
-                            std::pair{"host_func_resume", "co_await_balanced"}}) {
+        for (auto [a, b] :
+             {std::pair{"co_await", "event_query_spin"},
+              std::pair{"co_await_balanced", "event_query_spin"},
+              std::pair{"host_func", "co_await"}, std::pair{"host_func_resume", "co_await"},
+              std::pair{"host_func_resume", "co_await_balanced"}}) {
             const std::string label = std::string(a) + " / " + b;
             std::printf("  %-38s %s%s\n", label.c_str(), ratio(g_p50_us, a, b).c_str(),
                         round_spread(a, b).c_str());
@@ -766,6 +756,5 @@ void print_summary() {
 
 int main(int argc, char** argv) {
     return bench::run_main(argc, argv, "await_bench", "every benchmark here waits for a GPU",
-                           bench::warm_up_device, bench::register_benchmarks,
-                           bench::print_summary);
+                           bench::warm_up_device, bench::register_benchmarks, bench::print_summary);
 }

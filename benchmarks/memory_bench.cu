@@ -40,11 +40,7 @@
 //
 // GB/s means 10^9 bytes per second. Every figure in the summary is a median.
 
-#include "bench_support.hpp"
-
 #include <cudawait/cudawait.hpp>
-
-#include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
@@ -65,9 +61,11 @@
 #include <utility>
 #include <vector>
 
-#include <unistd.h>
-
 #include <cuda_runtime.h>
+
+#include "bench_support.hpp"
+#include <benchmark/benchmark.h>
+#include <unistd.h>
 
 namespace bench {
 
@@ -77,29 +75,29 @@ using namespace cudawait::literals;
 // ---- parameters ------------------------------------------------------------------------------
 
 constexpr std::size_t kAllocSizes[] = {4_KiB, 1_MiB, 64_MiB};
-constexpr std::int64_t kPoolBatches = 200;        ///< timed batches per pool size
-constexpr std::size_t kPoolBatchPairs = 1000;     ///< allocate+free pairs per batch
-constexpr double kPoolTargetNs = 100.0;           ///< target: pool pair at most this
+constexpr std::int64_t kPoolBatches = 200;    ///< timed batches per pool size
+constexpr std::size_t kPoolBatchPairs = 1000; ///< allocate+free pairs per batch
+constexpr double kPoolTargetNs = 100.0;       ///< target: pool pair at most this
 
 constexpr std::size_t kGrowthBytes = 1_GiB;
-constexpr std::int64_t kGrowthRuns = 5;           ///< timed runs of each growth variant
-constexpr double kGrowthTarget = 0.40;            ///< target: pool / cudaHostAlloc at most this
+constexpr std::int64_t kGrowthRuns = 5; ///< timed runs of each growth variant
+constexpr double kGrowthTarget = 0.40;  ///< target: pool / cudaHostAlloc at most this
 
-constexpr double kPinnedTarget = 0.98;            ///< target: cudawait / raw at least this
-constexpr double kPageableH2dTarget = 3.0;        ///< target: cudawait / raw at least this
+constexpr double kPinnedTarget = 0.98;     ///< target: cudawait / raw at least this
+constexpr double kPageableH2dTarget = 3.0; ///< target: cudawait / raw at least this
 constexpr double kPageableD2hTarget = 2.0;
 
-constexpr int kWasteOps = 20000;                  ///< churn: allocate/free operations
-constexpr int kWasteRounds = 30;                  ///< batches: rounds
+constexpr int kWasteOps = 20000; ///< churn: allocate/free operations
+constexpr int kWasteRounds = 30; ///< batches: rounds
 constexpr std::uint64_t kWasteSeed = 0x6d656d6f7279ULL;
-constexpr std::size_t kWasteLiveTarget = 2_GiB;   ///< live requested bytes per batch / churn
+constexpr std::size_t kWasteLiveTarget = 2_GiB; ///< live requested bytes per batch / churn
 constexpr double kWasteAllocProbability = 0.55;
 constexpr std::size_t kWasteMinBytes = 1_KiB;
 constexpr std::size_t kWasteMaxBytes = 64_MiB;
 /// Safety cap on the waste pools (default options otherwise): twice the live target, so a waste
 /// ratio far above the target fails with pool_exhausted instead of pinning the machine's memory.
 constexpr std::size_t kWasteCap = 4_GiB;
-constexpr double kWasteTarget = 1.15;             ///< target: peak reserved / peak live at most
+constexpr double kWasteTarget = 1.15; ///< target: peak reserved / peak live at most
 
 enum class direction { h2d, d2h };
 
@@ -114,10 +112,10 @@ constexpr copy_case kPageableCases[] = {{64_MiB, 30}, {512_MiB, 10}};
 
 // ---- results shared with the summary printed by main() ---------------------------------------
 
-std::map<std::string, double> g_alloc_ns;       ///< "pool/<size>", "host/<size>" -> ns per pair
-std::map<std::string, double> g_growth_ms;      ///< "pool", "host" -> ms per 1 GiB
-std::map<std::string, double> g_pinned_gbps;    ///< "<variant>/<size>/<dir>" -> GB/s
-std::map<std::string, double> g_pageable_gbps;  ///< "<variant>/<size>/<dir>" -> GB/s
+std::map<std::string, double> g_alloc_ns;      ///< "pool/<size>", "host/<size>" -> ns per pair
+std::map<std::string, double> g_growth_ms;     ///< "pool", "host" -> ms per 1 GiB
+std::map<std::string, double> g_pinned_gbps;   ///< "<variant>/<size>/<dir>" -> GB/s
+std::map<std::string, double> g_pageable_gbps; ///< "<variant>/<size>/<dir>" -> GB/s
 
 struct waste_result {
     std::size_t peak_reserved = 0;
@@ -317,8 +315,7 @@ void BM_cudaHostAlloc_1GiB(benchmark::State& state) {
 
 /// One library copy between the buffers, waited for with cudaStreamSynchronize.
 double time_pinned_cudawait(cudawait::device_buffer<std::byte>& dev,
-                            cudawait::pinned_buffer<std::byte>& host, cudaStream_t s,
-                            direction d) {
+                            cudawait::pinned_buffer<std::byte>& host, cudaStream_t s, direction d) {
     const auto t0 = steady::now();
     if (d == direction::h2d) {
         cudawait::copy_async(dev, host, s);
@@ -427,8 +424,8 @@ double time_pageable_cudawait(cudawait::device_buffer<std::byte>& dev, std::byte
     return seconds(steady::now() - t0);
 }
 
-double time_pageable_raw(cudawait::device_buffer<std::byte>& dev, std::byte* host,
-                         cudaStream_t s, direction d) {
+double time_pageable_raw(cudawait::device_buffer<std::byte>& dev, std::byte* host, cudaStream_t s,
+                         direction d) {
     const std::size_t n = dev.size_bytes();
     const auto t0 = steady::now();
     if (d == direction::h2d) {
@@ -460,8 +457,8 @@ runs_by_variant measure_pageable_copy(std::size_t bytes, std::int64_t rounds, di
         2);
 }
 
-void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes,
-                      std::int64_t rounds, direction d) {
+void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes, std::int64_t rounds,
+                      direction d) {
     guarded(state, [&] {
         const runs_by_variant& runs =
             measured_once(g_measured, copy_key("pageable", bytes, d),
@@ -539,10 +536,10 @@ waste_result run_waste_workload(bool batches) {
         for (const live_block& b : live) {
             pool.deallocate(b.ptr);
         }
-        throw std::runtime_error(
-            "waste workload hit the " + std::to_string(kWasteCap >> 30) +
-            " GiB safety cap with " + std::to_string(live_bytes) +
-            " live requested bytes (peak " + std::to_string(r.peak_live) + "): " + e.what());
+        throw std::runtime_error("waste workload hit the " + std::to_string(kWasteCap >> 30) +
+                                 " GiB safety cap with " + std::to_string(live_bytes) +
+                                 " live requested bytes (peak " + std::to_string(r.peak_live) +
+                                 "): " + e.what());
     }
     for (const live_block& b : live) {
         pool.deallocate(b.ptr);
@@ -602,8 +599,8 @@ void register_benchmarks() {
     using benchmark::RegisterBenchmark;
     // 1. Each iteration is fed one measured time per pair (per batch of 1000 for the pool).
     for (std::size_t bytes : kAllocSizes) {
-        RegisterBenchmark(("BM_pool_alloc_free/" + size_name(bytes)).c_str(),
-                          &BM_pool_alloc_free, bytes)
+        RegisterBenchmark(("BM_pool_alloc_free/" + size_name(bytes)).c_str(), &BM_pool_alloc_free,
+                          bytes)
             ->UseManualTime()
             ->Iterations(kPoolBatches)
             ->Unit(benchmark::kNanosecond);
@@ -638,9 +635,9 @@ void register_benchmarks() {
     for (const copy_case& c : kPageableCases) {
         for (direction d : {direction::h2d, direction::d2h}) {
             for (bool library : {true, false}) {
-                const std::string name = std::string(library ? "BM_pageable_copy_cudawait/"
-                                                             : "BM_pageable_copy_raw/") +
-                                         size_name(c.bytes) + "/" + dir_name(d);
+                const std::string name =
+                    std::string(library ? "BM_pageable_copy_cudawait/" : "BM_pageable_copy_raw/") +
+                    size_name(c.bytes) + "/" + dir_name(d);
                 RegisterBenchmark(name.c_str(), &BM_pageable_copy, library, c.bytes, c.rounds, d)
                     ->UseManualTime()
                     ->Iterations(c.rounds)
@@ -764,7 +761,7 @@ void print_waste_summary() {
                         "operations, live bytes held near %s\n",
                         kWasteOps, size_name(kWasteLiveTarget).c_str());
         }
-        std::printf("  peak reserved %.3f GiB / peak requested %.3f GiB = %.3f", 
+        std::printf("  peak reserved %.3f GiB / peak requested %.3f GiB = %.3f",
                     static_cast<double>(r.peak_reserved) / 0x1p30,
                     static_cast<double>(r.peak_live) / 0x1p30, ratio);
         if (batches) {
@@ -805,6 +802,5 @@ int main(int argc, char** argv) {
     return bench::run_main(argc, argv, "memory_bench",
                            "every benchmark here needs a GPU (the pinned pool registers its "
                            "memory with CUDA)",
-                           bench::warm_up_device, bench::register_benchmarks,
-                           bench::print_summary);
+                           bench::warm_up_device, bench::register_benchmarks, bench::print_summary);
 }

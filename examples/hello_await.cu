@@ -19,21 +19,23 @@ __global__ void square(const float* in, float* out, int n) {
 
 // Squares 0..n-1 on `s` and returns the sum, checked on the host.
 cudawait::task<double> sum_of_squares(int n) {
-    cudawait::stream s;  // non-blocking, owned, synchronised before it is destroyed
+    cudawait::stream s; // non-blocking, owned, synchronised before it is destroyed
     std::vector<float> host(n);
     for (int i = 0; i < n; ++i) {
         host[i] = static_cast<float>(i);
     }
     float* dev = nullptr;
     cudawait::check(cudaMallocAsync(&dev, 2 * n * sizeof(float), s.get()), "cudaMallocAsync");
-    cudawait::check(cudaMemcpyAsync(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, s.get()),
-                    "cudaMemcpyAsync");
+    cudawait::check(
+        cudaMemcpyAsync(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, s.get()),
+        "cudaMemcpyAsync");
     square<<<(n + 255) / 256, 256, 0, s.get()>>>(dev, dev + n, n);
     cudawait::check(cudaGetLastError(), "square<<<>>>");
-    cudawait::check(cudaMemcpyAsync(host.data(), dev + n, n * sizeof(float), cudaMemcpyDeviceToHost, s.get()),
-                    "cudaMemcpyAsync");
+    cudawait::check(
+        cudaMemcpyAsync(host.data(), dev + n, n * sizeof(float), cudaMemcpyDeviceToHost, s.get()),
+        "cudaMemcpyAsync");
     cudawait::check(cudaFreeAsync(dev, s.get()), "cudaFreeAsync");
-    co_await s;  // the thread is free to run other coroutines until the GPU is done
+    co_await s; // the thread is free to run other coroutines until the GPU is done
     double sum = 0;
     for (float v : host) {
         sum += v;

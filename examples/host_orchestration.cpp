@@ -3,8 +3,6 @@
 // kernel is in host_orchestration_kernels.cu. Eight chunks are processed on four streams by
 // detached coroutines in a scope; each copies in, runs saxpy, copies out and awaits its stream.
 
-#include "host_orchestration_kernels.hpp"
-
 #include <cudawait/cudawait.hpp>
 
 #include <cmath>
@@ -14,6 +12,8 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "host_orchestration_kernels.hpp"
 
 namespace {
 
@@ -26,10 +26,13 @@ cudawait::task<> process(cudawait::stream& s, const float* x, float* y, std::siz
     float* dy = nullptr;
     cudawait::check(cudaMallocAsync(&dx, n * sizeof(float), s.get()), "cudaMallocAsync");
     cudawait::check(cudaMallocAsync(&dy, n * sizeof(float), s.get()), "cudaMallocAsync");
-    cudawait::check(cudaMemcpyAsync(dx, x, n * sizeof(float), cudaMemcpyHostToDevice, s.get()), "cudaMemcpyAsync");
-    cudawait::check(cudaMemcpyAsync(dy, y, n * sizeof(float), cudaMemcpyHostToDevice, s.get()), "cudaMemcpyAsync");
+    cudawait::check(cudaMemcpyAsync(dx, x, n * sizeof(float), cudaMemcpyHostToDevice, s.get()),
+                    "cudaMemcpyAsync");
+    cudawait::check(cudaMemcpyAsync(dy, y, n * sizeof(float), cudaMemcpyHostToDevice, s.get()),
+                    "cudaMemcpyAsync");
     cudawait::check(orchestration::launch_saxpy(a, dx, dy, n, s.get()), "launch_saxpy");
-    cudawait::check(cudaMemcpyAsync(y, dy, n * sizeof(float), cudaMemcpyDeviceToHost, s.get()), "cudaMemcpyAsync");
+    cudawait::check(cudaMemcpyAsync(y, dy, n * sizeof(float), cudaMemcpyDeviceToHost, s.get()),
+                    "cudaMemcpyAsync");
     cudawait::check(cudaFreeAsync(dx, s.get()), "cudaFreeAsync");
     cudawait::check(cudaFreeAsync(dy, s.get()), "cudaFreeAsync");
     co_await s;
@@ -48,7 +51,8 @@ cudawait::task<> run_all(cudawait::scheduler& sched, std::vector<cudawait::strea
 
 int main() {
     if (const std::string why = cudawait::no_device_reason(); !why.empty()) {
-        std::fprintf(stderr, "host_orchestration: no CUDA device on this machine (%s); it needs a GPU.\n",
+        std::fprintf(stderr,
+                     "host_orchestration: no CUDA device on this machine (%s); it needs a GPU.\n",
                      why.c_str());
         return 2;
     }
@@ -75,7 +79,8 @@ int main() {
         for (std::size_t i = 0; i < n; ++i) {
             wrong += std::fabs(y[i] - expect[i]) > 1e-6f;
         }
-        std::printf("saxpy over %d chunks on 4 streams: %zu of %zu elements wrong\n", chunks, wrong, n);
+        std::printf("saxpy over %d chunks on 4 streams: %zu of %zu elements wrong\n", chunks, wrong,
+                    n);
         cudawait::check(cudaFreeHost(x), "cudaFreeHost");
         cudawait::check(cudaFreeHost(y), "cudaFreeHost");
         return wrong == 0 ? 0 : 1;

@@ -7,8 +7,8 @@
 
 #include <chrono>
 #include <cstdio>
-#include <string>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace demo {

@@ -7,8 +7,8 @@
 
 #include <chrono>
 #include <cstdio>
-#include <string>
 #include <span>
+#include <string>
 
 namespace demo {
 

@@ -8,11 +8,6 @@
 
 #include <cudawait/detail/staging.hpp>
 
-#include "gpu_fixture.hpp"
-#include "host_pool.hpp"
-#include "no_device.hpp"
-#include "test_kernels.hpp"
-
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +19,11 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "host_pool.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -62,8 +62,11 @@ TEST(copy, mismatched_sizes_zero_sizes_null_and_overlap_are_usage_errors) {
     EXPECT_THROW((void)copy(a, b, s), usage_error) << "thrown at the call, before any await";
     std::vector<int> empty;
     EXPECT_THROW(copy_async(empty, std::vector<int>{}, s), usage_error);
-    EXPECT_THROW(copy_async(std::span<int>(static_cast<int*>(nullptr), 4), std::span<const int>(a.data(), 4), s), usage_error);
-    EXPECT_THROW(copy_async(std::span<int>(a.data() + 2, 5), std::span<const int>(a.data(), 5), s), usage_error);
+    EXPECT_THROW(copy_async(std::span<int>(static_cast<int*>(nullptr), 4),
+                            std::span<const int>(a.data(), 4), s),
+                 usage_error);
+    EXPECT_THROW(copy_async(std::span<int>(a.data() + 2, 5), std::span<const int>(a.data(), 5), s),
+                 usage_error);
     pinned_buffer<int> moved_from;
     EXPECT_THROW(copy_async(moved_from, a, s), usage_error);
 }
@@ -138,8 +141,7 @@ TEST(copy, a_user_range_that_states_its_memory_is_believed_and_its_pool_is_used)
                      stated_view<const int, memory_kind::device>(b.data(), 10), opt);
     EXPECT_EQ(plan.dst_pool, nullptr) << "the staging pool does not own the block";
     plan = make_plan(stated_view<int, memory_kind::pinned>(block, 10),
-                     stated_view<const int, memory_kind::device>(b.data(), 10),
-                     copy_options{&own});
+                     stated_view<const int, memory_kind::device>(b.data(), 10), copy_options{&own});
     EXPECT_EQ(plan.dst_pool, &own) << "the staging pool owns the block";
     own.deallocate(block);
 }
@@ -241,8 +243,8 @@ TEST_F(copy_gpu, user_ranges_that_state_their_memory_copy_both_ways) {
     std::vector<std::uint32_t> back(n, 0xdeadbeef);
     cudawait::scheduler sched;
     cudawait::sync_wait(
-        sched, copy(stated_view<std::uint32_t, memory_kind::pageable>(back.data(), n), dev_in, s,
-                    opt));
+        sched,
+        copy(stated_view<std::uint32_t, memory_kind::pageable>(back.data(), n), dev_in, s, opt));
     EXPECT_EQ(back, host);
 
     // The stated pool is the one marked in use: freed while the copy still waits behind a slow
@@ -316,7 +318,7 @@ TEST_P(copy_staged, pageable_round_trip_is_exact) {
     device_buffer<std::uint8_t> dev(c.bytes, s);
     ASSERT_EQ(cudaMemsetAsync(dev.data(), 0x77, c.bytes, s.get()), cudaSuccess);
 
-    copy_async(dev, src, s, opt);                     // blocking staging
+    copy_async(dev, src, s, opt); // blocking staging
     copy_async(back, dev, s, opt);
     ASSERT_TRUE(std::equal(back.begin(), back.end(), src.begin())) << "copy_async";
     EXPECT_EQ(back_storage[c.offset], 0xee) << "wrote before the destination";
@@ -339,8 +341,8 @@ INSTANTIATE_TEST_SUITE_P(
                       staged_case{40_MiB + 13, 1, 8_MiB, 3}),
     [](const ::testing::TestParamInfo<staged_case>& info) {
         const staged_case& c = info.param;
-        return "bytes" + std::to_string(c.bytes) + "_offset" + std::to_string(c.offset) +
-               "_chunk" + std::to_string(c.chunk) + "_depth" + std::to_string(c.depth);
+        return "bytes" + std::to_string(c.bytes) + "_offset" + std::to_string(c.offset) + "_chunk" +
+               std::to_string(c.chunk) + "_depth" + std::to_string(c.depth);
     });
 
 TEST_F(copy_gpu, staged_copies_follow_the_streams_earlier_work) {
@@ -384,7 +386,8 @@ TEST_F(copy_gpu, concurrent_awaited_copies_on_several_streams) {
     opt.chunk_bytes = 2_MiB;
     cudawait::scheduler sched;
     auto trip = [&](std::vector<std::uint8_t>& src, device_buffer<std::uint8_t>& d,
-                    std::vector<std::uint8_t>& dst, cudawait::stream_ref s) -> cudawait::task<void> {
+                    std::vector<std::uint8_t>& dst,
+                    cudawait::stream_ref s) -> cudawait::task<void> {
         co_await copy(d, src, s, opt);
         co_await copy(dst, d, s, opt);
     };

@@ -1,9 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/device_buffer.hpp>
 
-#include "gpu_fixture.hpp"
-#include "test_kernels.hpp"
-
 #include <cstdint>
 #include <random>
 #include <ranges>
@@ -13,6 +10,9 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -24,7 +24,9 @@ static_assert(!std::is_copy_constructible_v<device_buffer<int>>);
 static_assert(std::is_nothrow_move_constructible_v<device_buffer<int>>);
 static_assert(std::ranges::contiguous_range<device_buffer<int>>);
 template <class B>
-concept indexable = requires(const B& b) { b[0]; };
+concept indexable = requires(const B& b) {
+    b[0];
+};
 // Device memory: the host has nothing to index, so there is no operator[] to misuse.
 static_assert(!indexable<device_buffer<int>>);
 

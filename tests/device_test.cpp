@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/device.hpp>
 
-#include "gpu_fixture.hpp"
-#include "no_device.hpp"
-
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "no_device.hpp"
 #include <gtest/gtest.h>
 
 namespace {

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include <cuda_runtime.h>
+
 #include <gtest/gtest.h>
 
 namespace {
@@ -25,7 +26,9 @@ TEST(error, types_derive_from_standard_exceptions) {
     static_assert(std::is_base_of_v<std::logic_error, usage_error>);
 }
 
-TEST(error, check_passes_success_through) { EXPECT_NO_THROW(check(cudaSuccess, "cudaMemcpyAsync")); }
+TEST(error, check_passes_success_through) {
+    EXPECT_NO_THROW(check(cudaSuccess, "cudaMemcpyAsync"));
+}
 
 TEST(error, check_throws_with_status_api_and_call_site) {
     const auto here = std::source_location::current();
@@ -54,10 +57,10 @@ TEST(error, explicit_call_site_is_kept) {
 }
 
 TEST(error, sticky_statuses_are_classified) {
-    for (cudaError_t st : {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorAssert,
-                           cudaErrorHardwareStackError, cudaErrorIllegalInstruction,
-                           cudaErrorMisalignedAddress, cudaErrorInvalidAddressSpace,
-                           cudaErrorInvalidPc, cudaErrorLaunchTimeout}) {
+    for (cudaError_t st :
+         {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorAssert,
+          cudaErrorHardwareStackError, cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+          cudaErrorInvalidAddressSpace, cudaErrorInvalidPc, cudaErrorLaunchTimeout}) {
         EXPECT_TRUE(is_sticky(st)) << cudaGetErrorName(st);
         cuda_error e(st, "cudaEventQuery");
         EXPECT_TRUE(e.sticky());

@@ -1,9 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/event.hpp>
 
-#include "gpu_fixture.hpp"
-#include "test_kernels.hpp"
-
 #include <cstdint>
 #include <set>
 #include <thread>
@@ -12,6 +9,9 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {

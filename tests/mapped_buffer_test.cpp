@@ -4,9 +4,6 @@
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
 
-#include "gpu_fixture.hpp"
-#include "test_kernels.hpp"
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -19,6 +16,9 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {

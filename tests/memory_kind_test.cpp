@@ -4,10 +4,10 @@
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/pinned_buffer.hpp>
 
-#include <gtest/gtest.h>
-
 #include <span>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 using cudawait::memory_kind;
 using cudawait::memory_kind_of;

@@ -33,10 +33,10 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda_mr_ref.hpp"
 #include "gpu_fixture.hpp"
 #include "host_pool.hpp"
 #include "no_device.hpp"
-#include "cuda_mr_ref.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>

@@ -1,17 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/scheduler.hpp>
-
 #include <cudawait/event.hpp>
+#include <cudawait/scheduler.hpp>
 #include <cudawait/scope.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
 #include <cudawait/when_all.hpp>
-
-#include "gpu_fixture.hpp"
-#include "host_signal.hpp"
-#include "mapped_words.hpp"
-#include "test_kernels.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +26,11 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "host_signal.hpp"
+#include "mapped_words.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -63,7 +62,7 @@ TEST(scheduler, post_is_thread_safe) {
     scheduler s;
     constexpr int threads = 8;
     constexpr int per_thread = 2000;
-    long count = 0;  // touched only on the loop thread
+    long count = 0; // touched only on the loop thread
     std::vector<std::jthread> posters;
     for (int t = 0; t < threads; ++t) {
         posters.emplace_back([&s, &count] {
@@ -108,11 +107,11 @@ TEST(scheduler, schedule_hops_between_threads) {
         const auto there = std::this_thread::get_id();
         scheduler& bound_ref = co_await cudawait::this_scheduler();
         scheduler* bound = &bound_ref;
-        co_await sleep_for(1ms);  // timers now belong to `other`
+        co_await sleep_for(1ms); // timers now belong to `other`
         const auto after_sleep = std::this_thread::get_id();
         co_await main_loop.schedule();
         const auto back = std::this_thread::get_id();
-        co_return start != there && there == after_sleep && back == start && bound == &other;
+        co_return start != there&& there == after_sleep&& back == start&& bound == &other;
     };
     EXPECT_TRUE(sync_wait(main_loop, hopper()));
     stop.request_stop();
@@ -151,10 +150,10 @@ TEST(scheduler, spawn_is_thread_safe_and_run_rethrows_detached_errors) {
             }
         });
     }
-    spawners.clear();  // joins
+    spawners.clear(); // joins
     EXPECT_THROW(s.run(), std::runtime_error);
     EXPECT_EQ(finished.load(), 400);
-    EXPECT_NO_THROW(s.run());  // the error was reported once
+    EXPECT_NO_THROW(s.run()); // the error was reported once
 }
 
 // What only the library's awaiters and drivers use is not callable on a scheduler; they reach it
@@ -180,20 +179,24 @@ concept user_surface = requires(S& s, const S& cs, stream& st, cudawait::event& 
 template <class S>
 concept waits_are_public = requires(S& s, cudaError_t& status, const char*& api) {
     s.add_wait(cudaStream_t{}, std::coroutine_handle<>{}, status, api);
-} || requires(S& s, cudaError_t& status, const char*& api) {
+}
+|| requires(S& s, cudaError_t& status, const char*& api) {
     s.add_wait(cudaEvent_t{}, std::coroutine_handle<>{}, status, api);
 };
 template <class S>
-concept timers_are_public =
-    requires(S& s) { s.add_timer(clock_type::now(), std::coroutine_handle<>{}); } ||
-    requires(S& s) { s.add_timer(clock_type::now(), std::function<void()>{}); } ||
-    requires(S& s) { s.cancel_timer(nullptr); };
+concept timers_are_public = requires(S& s) {
+    s.add_timer(clock_type::now(), std::coroutine_handle<>{});
+}
+|| requires(S& s) { s.add_timer(clock_type::now(), std::function<void()>{}); }
+|| requires(S& s) { s.cancel_timer(nullptr); };
 template <class S>
-concept loop_internals_are_public =
-    requires(S& s) { s.run_from(std::coroutine_handle<>{}, [] { return true; }); } ||
-    requires(S& s) { s.resume_soon(std::coroutine_handle<>{}); } ||
-    requires(S& s) { s.child_started(); } || requires(S& s) { s.child_finished(); } ||
-    requires(const S& s) { s.on_loop_thread(); };
+concept loop_internals_are_public = requires(S& s) {
+    s.run_from(std::coroutine_handle<>{}, [] { return true; });
+}
+|| requires(S& s) { s.resume_soon(std::coroutine_handle<>{}); }
+|| requires(S& s) { s.child_started(); }
+|| requires(S& s) { s.child_finished(); }
+|| requires(const S& s) { s.on_loop_thread(); };
 static_assert(user_surface<scheduler>);
 static_assert(!waits_are_public<scheduler>);
 static_assert(!timers_are_public<scheduler>);
@@ -357,12 +360,14 @@ TEST_F(scheduler_gpu, awaits_on_different_streams_resume_as_their_work_finishes)
     mapped_words out(2);
     std::vector<int> order;
     auto slow = [&]() -> task<> {
-        check(cudawait::testing::launch_spin(60'000'000, out.device, 1, slow_stream.get()), "launch");
+        check(cudawait::testing::launch_spin(60'000'000, out.device, 1, slow_stream.get()),
+              "launch");
         co_await slow_stream;
         order.push_back(1);
     };
     auto fast = [&]() -> task<> {
-        check(cudawait::testing::launch_spin(1'000'000, out.device + 1, 2, fast_stream.get()), "launch");
+        check(cudawait::testing::launch_spin(1'000'000, out.device + 1, 2, fast_stream.get()),
+              "launch");
         co_await fast_stream;
         EXPECT_NE(out.read(0), 1u) << "the slow kernel should still be running";
         order.push_back(2);
@@ -378,13 +383,13 @@ TEST_F(scheduler_gpu, event_awaits) {
     cudawait::event ev;
     cudawait::event never_recorded;
     auto body = [&]() -> task<std::uint32_t> {
-        co_await never_recorded;  // complete by definition
+        co_await never_recorded; // complete by definition
         check(cudawait::testing::launch_spin(20'000'000, out.device, 0xE7u, st.get()), "launch");
         ev.record(st);
         co_await ev;
         const std::uint32_t first = out.read(0);
         cudaEvent_t raw = ev.get();
-        co_await raw;  // raw handles work too
+        co_await raw; // raw handles work too
         co_return first;
     };
     EXPECT_EQ(sync_wait(s, body()), 0xE7u);
@@ -434,7 +439,8 @@ TEST_F(scheduler_gpu, ten_thousand_coroutines_on_64_streams) {
     std::uint32_t* pinned = nullptr;
     const std::size_t total = static_cast<std::size_t>(coroutines) * words;
     check(cudaMalloc(&dev, total * sizeof(std::uint32_t)), "cudaMalloc");
-    check(cudaHostAlloc(&pinned, total * sizeof(std::uint32_t), cudaHostAllocDefault), "cudaHostAlloc");
+    check(cudaHostAlloc(&pinned, total * sizeof(std::uint32_t), cudaHostAllocDefault),
+          "cudaHostAlloc");
     std::vector<std::uint32_t> model(total);
     std::mt19937 rng(20261129);
     for (auto& w : model) {
@@ -463,7 +469,7 @@ TEST_F(scheduler_gpu, ten_thousand_coroutines_on_64_streams) {
                 if (h[i] != m[i]) {
                     mismatches.fetch_add(1);
                 }
-                h[i] = 0xBADC0DEu;  // poison again: the next round must overwrite it
+                h[i] = 0xBADC0DEu; // poison again: the next round must overwrite it
             }
             awaits.fetch_add(1);
         }
@@ -499,13 +505,13 @@ task<> await_faulting_kernel(stream& st) {
         sync_wait(s, await_faulting_kernel(st));
         std::fprintf(stderr, "no error observed\n");
     } catch (const cuda_error& e) {
-        const bool ok = (e.status() == cudaErrorIllegalAddress ||
-                         e.status() == cudaErrorLaunchFailure) &&
-                        e.sticky() && std::string(e.api()) == "cudaEventQuery" &&
-                        e.where().line() == g_fault_await_line &&
-                        std::string(e.where().file_name()).find("scheduler_test.cpp") !=
-                            std::string::npos;
-        std::fprintf(stderr, "%s\n%s\n", e.what(), ok ? "fault observed at the co_await" : "wrong details");
+        const bool ok =
+            (e.status() == cudaErrorIllegalAddress || e.status() == cudaErrorLaunchFailure) &&
+            e.sticky() && std::string(e.api()) == "cudaEventQuery" &&
+            e.where().line() == g_fault_await_line &&
+            std::string(e.where().file_name()).find("scheduler_test.cpp") != std::string::npos;
+        std::fprintf(stderr, "%s\n%s\n", e.what(),
+                     ok ? "fault observed at the co_await" : "wrong details");
         std::fflush(stderr);
         std::_Exit(ok ? 0 : 1);
     }

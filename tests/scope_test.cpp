@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/scope.hpp>
-
 #include <cudawait/scheduler.hpp>
+#include <cudawait/scope.hpp>
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
 
@@ -113,7 +112,7 @@ TEST(scope, destroying_a_busy_scope_does_not_crash) {
     {
         async_scope scope(s);
         scope.spawn(tick(&counter, 5ms));
-    }  // reported on stderr; the work keeps running on the scheduler
+    } // reported on stderr; the work keeps running on the scheduler
     s.run();
     EXPECT_EQ(counter.load(), 1);
 }

@@ -1,15 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/stream.hpp>
 
-#include "gpu_fixture.hpp"
-#include "test_kernels.hpp"
-
 #include <cstdint>
 #include <type_traits>
 #include <utility>
 
 #include <cuda/stream_ref>
 #include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -106,7 +106,7 @@ TEST_F(stream_gpu, moved_from_stream_is_a_usage_error_and_moves_do_not_leak) {
     stream b;
     EXPECT_EQ(stream::live_count(), before + 2);
     cudaStream_t ha = a.get();
-    b = std::move(a);  // b's old stream is destroyed, not leaked
+    b = std::move(a); // b's old stream is destroyed, not leaked
     EXPECT_EQ(stream::live_count(), before + 1);
     EXPECT_EQ(b.get(), ha);
     EXPECT_FALSE(static_cast<bool>(a));
@@ -166,7 +166,7 @@ TEST_F(stream_gpu, is_done_ready_sync_and_cross_stream_wait) {
     cudaEvent_t done = nullptr;
     check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaEventRecord(done, producer.get()), "cudaEventRecord");
-    consumer.wait(done);  // ordered by the event, not by a host wait
+    consumer.wait(done); // ordered by the event, not by a host wait
     check(cudaMemcpyAsync(copied, value, sizeof(std::uint32_t), cudaMemcpyDeviceToHost,
                           consumer.get()),
           "cudaMemcpyAsync");

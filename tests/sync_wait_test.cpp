@@ -1,10 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/sync_wait.hpp>
-
 #include <cudawait/scheduler.hpp>
+#include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
-
-#include "host_signal.hpp"
 
 #include <chrono>
 #include <memory>
@@ -13,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "host_signal.hpp"
 #include <gtest/gtest.h>
 
 namespace {

@@ -1,13 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // task.hpp's coroutines in a .cu file, compiled by nvcc: the spellings the README teaches must
 // compile under nvcc's front end as well as under the host compiler (task_test.cpp).
-#include <cudawait/task.hpp>
-
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
+#include <cudawait/task.hpp>
 
 #include "this_scheduler_cases.hpp"
-
 #include <gtest/gtest.h>
 
 namespace {

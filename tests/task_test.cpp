@@ -1,10 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/task.hpp>
-
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
-
-#include "this_scheduler_cases.hpp"
+#include <cudawait/task.hpp>
 
 #include <functional>
 #include <memory>
@@ -13,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "this_scheduler_cases.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -128,7 +126,7 @@ TEST(task, children_inherit_the_scheduler) {
         scheduler* mine = &mine_ref;
         scheduler* theirs = co_await child();
         scheduler* as_pointer = co_await cudawait::this_scheduler_ptr();
-        co_return mine == &s && theirs == &s && as_pointer == &s;
+        co_return mine == &s&& theirs == &s&& as_pointer == &s;
     };
     EXPECT_TRUE(sync_wait(s, parent()));
 }
@@ -144,7 +142,7 @@ TEST(task, this_scheduler_yields_a_wrapper_that_converts_to_the_reference) {
         auto kept = co_await cudawait::this_scheduler();
         static_assert(std::is_same_v<decltype(kept), std::reference_wrapper<scheduler>>);
         scheduler& bound = kept;
-        co_return &kept.get() == &s && &bound == &s;
+        co_return &kept.get() == &s&&& bound == &s;
     };
     EXPECT_TRUE(sync_wait(s, body()));
 }

@@ -1,11 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/when_all.hpp>
-
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
-
-#include "host_signal.hpp"
+#include <cudawait/when_all.hpp>
 
 #include <chrono>
 #include <memory>
@@ -17,6 +14,7 @@
 #include <variant>
 #include <vector>
 
+#include "host_signal.hpp"
 #include <gtest/gtest.h>
 
 namespace {
@@ -46,8 +44,8 @@ TEST(when_all, variadic_returns_every_result_in_argument_order) {
     auto str = []() -> task<std::string> { co_return "x"; };
     auto nothing = []() -> task<> { co_return; };
     auto result = sync_wait(s, when_all(after(20ms, 1), str(), nothing(), after(1ms, 4)));
-    static_assert(std::is_same_v<decltype(result),
-                                 std::tuple<int, std::string, std::monostate, int>>);
+    static_assert(
+        std::is_same_v<decltype(result), std::tuple<int, std::string, std::monostate, int>>);
     EXPECT_EQ(std::get<0>(result), 1);
     EXPECT_EQ(std::get<1>(result), "x");
     EXPECT_EQ(std::get<3>(result), 4);
@@ -136,7 +134,7 @@ TEST(when_all, children_completed_from_other_threads) {
     }
     auto wait_for = [](cudawait::testing::host_signal* sig, int v) -> task<int> {
         co_await *sig;
-        co_return v * v;
+        co_return v* v;
     };
     std::vector<task<int>> ts;
     for (int i = 0; i < 8; ++i) {

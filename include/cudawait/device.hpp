@@ -20,7 +20,8 @@ namespace cudawait {
 /// Number of CUDA devices visible to this process.
 /// @throws cuda_error when there is no driver (cudaErrorInsufficientDriver) or no device
 ///         (cudaErrorNoDevice): the first CUDA use on such a machine fails here, clearly.
-[[nodiscard]] inline int device_count(std::source_location where = std::source_location::current()) {
+[[nodiscard]] inline int
+device_count(std::source_location where = std::source_location::current()) {
     int n = 0;
     check(cudaGetDeviceCount(&n), "cudaGetDeviceCount", where);
     if (n == 0) {
@@ -96,7 +97,8 @@ current_device(std::source_location where = std::source_location::current()) {
 class device_guard {
 public:
     /// @throws cuda_error
-    explicit device_guard(device_ref dev, std::source_location where = std::source_location::current()) {
+    explicit device_guard(device_ref dev,
+                          std::source_location where = std::source_location::current()) {
         check(cudaGetDevice(&m_previous), "cudaGetDevice", where);
         if (m_previous != dev.get()) {
             check(cudaSetDevice(dev.get()), "cudaSetDevice", where);

@@ -245,8 +245,8 @@ public:
         std::size_t detached = 0;
     };
     [[nodiscard]] pending_counts pending() const {
-        return {m_stream_waits, m_event_waits.size(), m_active.size(), m_live_timers,
-                m_ready.size(), m_detached.load()};
+        return {m_stream_waits, m_event_waits.size(), m_active.size(),
+                m_live_timers,  m_ready.size(),       m_detached.load()};
     }
 
     [[nodiscard]] const poll_policy& policy() const noexcept { return m_policy; }

@@ -207,10 +207,8 @@ public:
     }
     inline auto get_return_object() noexcept;
     template <class U>
-        requires std::convertible_to<U&&, T>
-    void return_value(U&& v) {
-        m_result.set_value(std::forward<U>(v));
-    }
+    requires std::convertible_to<U&&, T>
+    void return_value(U&& v) { m_result.set_value(std::forward<U>(v)); }
     void unhandled_exception() noexcept { m_result.set_exception(std::current_exception()); }
     result_slot<T>& result() noexcept { return m_result; }
 

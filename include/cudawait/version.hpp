@@ -2,8 +2,8 @@
 #pragma once
 
 // Synopsis
-//   CUDAWAIT_VERSION_MAJOR / _MINOR / _PATCH, CUDAWAIT_VERSION (major * 10000 + minor * 100 + patch)
-//   cudawait::version_string
+//   CUDAWAIT_VERSION_MAJOR / _MINOR / _PATCH, CUDAWAIT_VERSION (major * 10000 + minor * 100 +
+//   patch) cudawait::version_string
 
 #define CUDAWAIT_VERSION_MAJOR 0
 #define CUDAWAIT_VERSION_MINOR 1

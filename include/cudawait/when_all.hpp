@@ -176,10 +176,9 @@ template <class... A>
 /// @returns a task yielding the results in range order (task<void> when they are void)
 /// @throws the first exception any child threw, once all children finished
 template <std::ranges::input_range Range>
-[[nodiscard]] auto when_all(Range range)
-    -> task<std::conditional_t<
-        std::is_void_v<detail::awaited_t<std::ranges::range_value_t<Range>>>, void,
-        std::vector<detail::awaited_t<std::ranges::range_value_t<Range>>>>> {
+[[nodiscard]] auto when_all(Range range) -> task<
+    std::conditional_t<std::is_void_v<detail::awaited_t<std::ranges::range_value_t<Range>>>, void,
+                       std::vector<detail::awaited_t<std::ranges::range_value_t<Range>>>>> {
     using R = detail::awaited_t<std::ranges::range_value_t<Range>>;
     std::vector<detail::when_all_child<R>> children;
     if constexpr (std::ranges::sized_range<Range>) {
