@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <span>
 #include <string>
+#include <utility>
 
 namespace demo {
 
@@ -78,6 +79,15 @@ int main() {
         opt.chunk_elements = chunk;
         opt.depth = 3;
         opt.timing = true;
+        bool link_described = false; // an alert is read against the link: print it once
+        opt.on_alert = [&](const cudawait::pipeline_alert& a) {
+            std::printf("  alert (%s, %s): %.1f GB/s, peak %.1f GB/s\n",
+                        std::string(cudawait::to_string(a.kind)).c_str(), a.direction,
+                        a.achieved_gbps, a.peak_gbps);
+            if (!std::exchange(link_described, true)) {
+                std::printf("  %s\n", cudawait::to_string(cudawait::describe_link(0)).c_str());
+            }
+        };
         cudawait::pipeline<float> pipe(opt, {demo::launch_saxpy});
         cudawait::scheduler sched;
         cudawait::sync_wait(sched, pipe.run(in.span(), out.span())); // warm-up

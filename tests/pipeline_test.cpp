@@ -786,6 +786,7 @@ TEST_F(pipeline_gpu, timing_reports_stage_times_bandwidth_and_alerts) {
         o.timing = true;
         o.alert_window = 4;
         o.alert_fraction = fraction;
+        o.utilisation_fraction = 0; // the bandwidth alert alone (link_test: utilisation)
         o.on_alert = [&](const cudawait::pipeline_alert& a) {
             ++alerts;
             EXPECT_GT(a.peak_gbps, 0);

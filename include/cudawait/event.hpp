@@ -3,7 +3,8 @@
 
 // Synopsis
 //   class event;        owning cudaEvent_t (timing disabled unless asked)
-//   class event_pool;   per-device cache of recycled cudaEventDisableTiming events
+//   class event_pool;   per-device cache of recycled cudaEventDisableTiming events (for_device
+//                       throws usage_error in a child made by fork() after the parent used it)
 //   class pooled_event; an event borrowed from a pool, given back when it goes out of scope
 //   class event_ref;    trivially copyable view of any of the above or of a raw cudaEvent_t
 //   e.record(stream)  e.is_done()  e.sync()   on event, pooled_event and event_ref
@@ -17,6 +18,7 @@
 #include <cudawait/stream.hpp>
 
 #include <cudawait/detail/event_ops.hpp>
+#include <cudawait/detail/fork_guard.hpp>
 
 #include <atomic>
 #include <cstddef>
@@ -159,9 +161,16 @@ private:
 class event_pool {
 public:
     /// The process-wide pool of device `dev`.
-    /// @throws cuda_error for an invalid device
+    /// @throws cuda_error for an invalid device; usage_error in a child process created by
+    ///         fork() after the pools were made (their events belong to the parent's CUDA
+    ///         context, which a child cannot use)
     [[nodiscard]] static event_pool& for_device(int dev) {
         static std::vector<std::unique_ptr<event_pool>> pools = make_pools();
+        if (!pools.empty() && pools.front()->m_stamp.inherited()) {
+            throw usage_error("cudawait::event_pool::for_device used in a child process after "
+                              "fork(); CUDA state cannot be inherited: use CUDA in the child "
+                              "only if the parent did not, or exec a new program");
+        }
         if (dev < 0 || static_cast<std::size_t>(dev) >= pools.size()) {
             throw cuda_error(cudaErrorInvalidDevice, "event_pool::for_device");
         }
@@ -171,6 +180,9 @@ public:
     event_pool(const event_pool&) = delete;
     event_pool& operator=(const event_pool&) = delete;
     ~event_pool() {
+        if (m_stamp.inherited()) {
+            return; // a forked child exiting: the events are the parent's, not to be touched
+        }
         for (cudaEvent_t e : m_free) {
             detail::report(cudaEventDestroy(e), "cudaEventDestroy");
             detail::g_live_events.fetch_sub(1, std::memory_order_relaxed);
@@ -238,6 +250,7 @@ private:
     }
 
     int m_device;
+    detail::fork_stamp m_stamp; ///< the process whose CUDA context owns the events
     mutable std::mutex m_mutex;
     std::vector<cudaEvent_t> m_free;
     long m_outstanding = 0;

@@ -14,7 +14,8 @@
 //   pool_exhausted      the cap on page-locked bytes was reached (derives std::bad_alloc)
 //   slab_source         where slabs come from (registered_slab_source by default; replaceable)
 //   use_tracker         how "the GPU is done with it" is observed (CUDA events by default)
-//   default_pinned_pool()  the process-wide pool that copies stage through
+//   default_pinned_pool()  the process-wide pool that copies stage through; in a child made by
+//                          fork() after the parent used it, it throws usage_error
 //
 // The cap (pinned_pool_options::max_pinned_bytes) is by default a quarter of the memory the
 // process may use: physical memory, or its cgroup's memory limit when that is lower (inside a
@@ -34,6 +35,7 @@
 #include <cudawait/stream.hpp>
 
 #include <cudawait/detail/block_heap.hpp>
+#include <cudawait/detail/fork_guard.hpp>
 
 #include <algorithm>
 #include <cassert>
@@ -548,8 +550,15 @@ public:
 
     /// Waits for blocks still pending reuse, reports (on stderr) blocks still handed out, and
     /// gives every slab without such blocks back. Slabs holding leaked blocks stay mapped, so a
-    /// late access through a leaked pointer does not fault.
+    /// late access through a leaked pointer does not fault. In a child created by fork() after
+    /// the pool was made it does nothing: no CUDA call, no lock (see detail/fork_guard.hpp).
     ~pinned_pool() override {
+        if (m_stamp.inherited()) {
+            // A forked child: the slabs and marks may be the parent's CUDA state, and a lock
+            // may be held by a thread that did not survive the fork. The process's memory goes
+            // when it ends.
+            return;
+        }
         drain_pending();
         std::vector<std::pair<void*, std::size_t>> slabs;
         {
@@ -1107,7 +1116,10 @@ private:
         }
     }
 
+    friend pinned_pool& default_pinned_pool();
+
     pinned_pool_options m_options;
+    detail::fork_stamp m_stamp; ///< the process the pool was made in
     mutable std::mutex m_mutex;
     std::condition_variable m_cv; ///< a check or a growth finished, or a block was freed
     std::size_t m_waiters = 0;    ///< threads waiting on m_cv
@@ -1148,8 +1160,15 @@ constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noe
 
 /// The process-wide pool that copies stage pageable memory through. It lives until the process
 /// ends (it is never destroyed, so no static destruction order can free memory still in use).
+/// @throws usage_error in a child process created by fork() after the pool was made: its
+///         memory is registered with the parent's CUDA context, which a child cannot use
 [[nodiscard]] inline pinned_pool& default_pinned_pool() {
     static pinned_pool* pool = new pinned_pool();
+    if (pool->m_stamp.inherited()) {
+        throw usage_error("cudawait::default_pinned_pool used in a child process after fork(); "
+                          "CUDA state cannot be inherited: use CUDA in the child only if the "
+                          "parent did not, or exec a new program");
+    }
     return *pool;
 }
 

@@ -67,7 +67,8 @@
 // buffers (depth x (input + output chunk) bytes from the pool), the host memcpy on several
 // threads. Graph mode records each slot's H2D -> stages -> D2H once as a CUDA graph and replays
 // it. With `timing` on, stats() reports stage times, achieved bandwidths against the link's peak
-// (measured once per device), overlap efficiency, and alerts on low bandwidth.
+// (measured once per device), overlap efficiency, and alerts on low bandwidth or on a link the
+// host leaves idle (pipeline_alert::kind; describe_link in link.hpp tells what the link is).
 //
 // Degradation: a chunk whose work fails to enqueue (a launch error, say) is retried with one slot
 // fewer (level 1), down to depth 1, then handed to the fallback (level 2). In a batch, a chunk

@@ -5,7 +5,8 @@
 //   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
 //                     streams, graph, timing, timeouts, callbacks, staging pool)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
-//   pipeline_alert    passed to on_alert when achieved bandwidth stays low
+//   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
+//                     stays low (alert_kind says which; to_string names it)
 //   chunk_failure     passed to on_degrade for each degradation step: the chunk, the
 //                     configuration, streams and data pointers, the level and action
 //                     (degrade_level, degrade_action; to_string names them) and the error
@@ -32,12 +33,38 @@ namespace cudawait {
 
 class pinned_pool; // pinned_pool.hpp
 
-/// Passed to pipeline_options::on_alert when achieved bandwidth stayed low over a window.
+/// Why pipeline_options::on_alert was called.
+enum class alert_kind {
+    /// The copies of one direction ran below alert_fraction of the link's peak while they ran.
+    bandwidth,
+    /// The link was idle too much of the time: in each copy direction and on the compute
+    /// streams, busy time over the window's span stayed below utilisation_fraction, so neither
+    /// the link nor the GPU bounds the pipeline; the host does not feed it fast enough.
+    utilisation
+};
+
+/// The enumerator's name, e.g. "utilisation".
+[[nodiscard]] constexpr std::string_view to_string(alert_kind k) noexcept {
+    switch (k) {
+    case alert_kind::bandwidth:
+        return "bandwidth";
+    case alert_kind::utilisation:
+        return "utilisation";
+    }
+    return "unknown";
+}
+
+/// Passed to pipeline_options::on_alert when achieved bandwidth, or the link's utilisation,
+/// stayed low over a window.
 struct pipeline_alert {
-    const char* direction; ///< "h2d" or "d2h"
-    double achieved_gbps;  ///< over the window
+    const char* direction; ///< "h2d" or "d2h" (utilisation: the busier direction)
+    double achieved_gbps;  ///< over the window (utilisation: bytes over the direction's span)
     double peak_gbps;      ///< the link's measured one-way peak
     std::size_t window;    ///< chunks in the window
+    alert_kind kind = alert_kind::bandwidth;
+    /// Utilisation alerts: the direction's busy time over its span in the window (0 to 1);
+    /// bandwidth alerts: achieved_gbps / peak_gbps.
+    double utilisation = 0;
 };
 
 /// What went wrong with a chunk.
@@ -175,6 +202,11 @@ struct pipeline_options {
     /// Alert when achieved H2D or D2H bandwidth over `alert_window` chunks stays below this
     /// fraction of the link's peak.
     double alert_fraction = 0.6;
+    /// Alert (alert_kind::utilisation) when, over `alert_window` chunks, each copy direction
+    /// was busy less than this fraction of its span (first copy start to last copy end in the
+    /// window, on the GPU's clock) and so were the compute streams: the host is not keeping the
+    /// link fed. 0: never.
+    double utilisation_fraction = 0.8;
     std::size_t alert_window = 8;
     std::function<void(const pipeline_alert&)> on_alert;
     /// Batch runs: how long to wait for one chunk before degrading; 0: as long as it takes.

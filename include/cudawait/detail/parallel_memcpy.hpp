@@ -5,7 +5,10 @@
 // into page-locked memory reaches well under the PCIe link's bandwidth; staged copies need
 // several to keep the DMA engines fed.
 
+#include <cudawait/detail/fork_guard.hpp>
+
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstring>
@@ -25,9 +28,25 @@ public:
 
     /// The process-wide set: half the hardware threads, at most 8 copying at once (the caller
     /// is one of them). Never destroyed, so copies during static destruction stay safe.
+    ///
+    /// In a child created by fork() the inherited set's threads do not exist (a copy handed to
+    /// them would never finish) and their queues' locks may be held by a thread that is gone.
+    /// The set holds no CUDA state, so the child gets a fresh one; the inherited set is left
+    /// alone, never touched nor destroyed.
     static memcpy_workers& instance() {
-        static memcpy_workers* w = new memcpy_workers(default_threads());
-        return *w;
+        static std::atomic<current*> now{nullptr};
+        for (;;) {
+            current* c = now.load(std::memory_order_acquire);
+            if (c != nullptr && !c->stamp.inherited()) {
+                return *c->workers;
+            }
+            auto fresh = std::make_unique<current>();
+            fresh->workers = std::make_unique<memcpy_workers>(default_threads());
+            if (now.compare_exchange_strong(c, fresh.get(), std::memory_order_acq_rel)) {
+                return *fresh.release()->workers; // never destroyed, as said above
+            }
+            // Another thread made one first: use it (the loop checks it).
+        }
     }
 
     explicit memcpy_workers(unsigned threads) {
@@ -89,6 +108,11 @@ public:
     }
 
 private:
+    struct current {
+        fork_stamp stamp; ///< the process the set was made in
+        std::unique_ptr<memcpy_workers> workers;
+    };
+
     struct part {
         std::byte* dst;
         const std::byte* src;

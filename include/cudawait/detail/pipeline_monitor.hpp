@@ -1,14 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// What the pipeline measures: per-chunk stage timing events, the bandwidth alert window, the
-// statistics of a run or session (counters the drivers bump, and the figures derived from
-// them), and the chunk-size advice drawn from those figures.
+// What the pipeline measures: per-chunk stage timing events, the bandwidth and utilisation
+// alert windows, the statistics of a run or session (counters the drivers bump, and the figures
+// derived from them), and the chunk-size advice drawn from those figures.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/stream.hpp>
 
 #include <cudawait/detail/link_peak.hpp>
 
@@ -52,12 +53,22 @@ public:
             m_timing.push_back(std::move(set));
         }
         m_link_peak = link_peak_gbps(o.device);
+        m_anchor.emplace(device_ref(o.device), cudaEventDefault);
+        m_anchor_stream.emplace(device_ref(o.device));
     }
 
     /// Statistics start anew (a batch run or a streaming session begins).
+    /// @throws cuda_error
     void reset() {
         m_stats = {};
         m_window.clear();
+        m_spans.clear();
+        if (m_anchor) {
+            // The origin of the utilisation spans: recorded on an idle stream before any chunk
+            // of the run is enqueued, and complete before any chunk is timed against it.
+            m_anchor->record(*m_anchor_stream);
+            m_anchor->sync();
+        }
     }
 
     [[nodiscard]] bool timing() const noexcept { return !m_timing.empty(); }
@@ -98,6 +109,7 @@ public:
         m_stats.h2d_seconds += h2d;
         m_stats.compute_seconds += comp;
         m_stats.d2h_seconds += d2h;
+        check_utilisation(t, in_bytes, out_bytes);
         if (h2d <= 0 || d2h <= 0 || m_link_peak <= 0) {
             return;
         }
@@ -119,8 +131,9 @@ public:
             if (gbps < limit) {
                 ++m_stats.alerts;
                 if (m_options->on_alert) {
-                    m_options->on_alert(
-                        pipeline_alert{dir, gbps, m_link_peak, m_options->alert_window});
+                    m_options->on_alert(pipeline_alert{dir, gbps, m_link_peak,
+                                                       m_options->alert_window,
+                                                       alert_kind::bandwidth, gbps / m_link_peak});
                 }
             }
         }
@@ -169,6 +182,68 @@ public:
     }
 
 private:
+    /// One chunk's stages on the GPU's clock: seconds from the run's anchor.
+    struct span_entry {
+        std::size_t in_bytes;
+        std::size_t out_bytes;
+        double at[marks];
+    };
+
+    // The utilisation window: a chunk's stage starts and ends go in; after alert_window chunks,
+    // each of H2D, compute and D2H has busy time (the sum of its stage times) over its span
+    // (first start to last end in the window). Only when all three stay below
+    // utilisation_fraction is neither the link nor the GPU the bound: the host does not feed
+    // them, and one alert names the busier copy direction.
+    void check_utilisation(std::vector<event>& t, std::size_t in_bytes, std::size_t out_bytes) {
+        if (m_options->utilisation_fraction <= 0 || !m_anchor || m_options->alert_window < 2) {
+            return;
+        }
+        span_entry e{in_bytes, out_bytes, {}};
+        for (std::size_t k = 0; k < marks; ++k) {
+            float ms = 0;
+            check(cudaEventElapsedTime(&ms, m_anchor->get(), t[k].get()), "cudaEventElapsedTime");
+            e.at[k] = static_cast<double>(ms) * 1e-3;
+        }
+        m_spans.push_back(e);
+        if (m_spans.size() < m_options->alert_window) {
+            return;
+        }
+        struct busy {
+            double first = 0, last = 0, time = 0, bytes = 0;
+            [[nodiscard]] double utilisation() const {
+                return last > first ? time / (last - first) : 1.0;
+            }
+        };
+        auto measure = [this](mark start, mark end, bool input) {
+            busy b{m_spans.front().at[start], m_spans.front().at[end], 0, 0};
+            for (const span_entry& c : m_spans) {
+                b.first = std::min(b.first, c.at[start]);
+                b.last = std::max(b.last, c.at[end]);
+                b.time += std::max(0.0, c.at[end] - c.at[start]);
+                b.bytes += static_cast<double>(input ? c.in_bytes : c.out_bytes);
+            }
+            return b;
+        };
+        busy up = measure(h2d_start, h2d_end, true);
+        busy comp = measure(compute_start, compute_end, true);
+        busy down = measure(d2h_start, d2h_end, false);
+        m_spans.clear();
+        const double limit = m_options->utilisation_fraction;
+        if (up.utilisation() >= limit || down.utilisation() >= limit ||
+            comp.utilisation() >= limit) {
+            return;
+        }
+        bool h2d_busier = up.utilisation() >= down.utilisation();
+        const busy& dir = h2d_busier ? up : down;
+        double gbps = dir.last > dir.first ? dir.bytes / (dir.last - dir.first) / 1e9 : 0;
+        ++m_stats.alerts;
+        if (m_options->on_alert) {
+            m_options->on_alert(pipeline_alert{h2d_busier ? "h2d" : "d2h", gbps, m_link_peak,
+                                               m_options->alert_window, alert_kind::utilisation,
+                                               dir.utilisation()});
+        }
+    }
+
     struct window_entry {
         std::size_t in_bytes;
         double h2d;
@@ -180,6 +255,9 @@ private:
     std::vector<std::vector<event>> m_timing; // per chunk in flight, indexed by `mark`
     std::size_t m_timing_seq = 0;
     std::vector<window_entry> m_window;
+    std::optional<event> m_anchor; ///< with timing: the origin of m_spans, recorded per run
+    std::optional<stream> m_anchor_stream;
+    std::vector<span_entry> m_spans;
     pipeline_stats m_stats;
     double m_link_peak = 0;
 };

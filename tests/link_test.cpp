@@ -1,0 +1,215 @@
+// SPDX-License-Identifier: Apache-2.0
+// describe_link (PCIe figures from NVML or sysfs, copy engines, measured peak) and the
+// pipeline's utilisation alert, which fires when the host does not keep the link fed.
+
+#include <cudawait/link.hpp>
+#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/pipeline.hpp>
+#include <cudawait/scheduler.hpp>
+#include <cudawait/sync_wait.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu_fixture.hpp"
+#include "test_kernels.hpp"
+
+namespace {
+
+using namespace cudawait::literals;
+using cudawait::link_info;
+using cudawait::pinned_buffer;
+using cudawait::pipeline_options;
+using u32 = std::uint32_t;
+using pipe_t = cudawait::pipeline<u32>;
+
+constexpr u32 salt = 0x11c;
+
+// A fake sysfs tree below a fresh temporary directory, removed at the end.
+struct fake_sysfs {
+    std::filesystem::path root;
+    explicit fake_sysfs(const std::string& name) {
+        root = std::filesystem::temp_directory_path() /
+               ("cudawait_link_test_" + name + "_" + std::to_string(::getpid()));
+        std::filesystem::remove_all(root);
+    }
+    ~fake_sysfs() { std::filesystem::remove_all(root); }
+    void write(const std::string& bus, const std::string& file, const std::string& text) {
+        auto dir = root / "sys/bus/pci/devices" / bus;
+        std::filesystem::create_directories(dir);
+        std::ofstream(dir / file) << text;
+    }
+};
+
+std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
+    std::vector<u32> v(n);
+    std::mt19937_64 rng(seed);
+    for (auto& x : v) {
+        x = static_cast<u32>(rng());
+    }
+    return v;
+}
+
+} // namespace
+
+TEST(link, speeds_map_to_generations) {
+    using cudawait::detail::pcie_generation_of_speed;
+    EXPECT_EQ(pcie_generation_of_speed("2.5 GT/s"), 1);
+    EXPECT_EQ(pcie_generation_of_speed("5.0 GT/s PCIe"), 2);
+    EXPECT_EQ(pcie_generation_of_speed("8.0 GT/s PCIe"), 3);
+    EXPECT_EQ(pcie_generation_of_speed("16.0 GT/s PCIe"), 4);
+    EXPECT_EQ(pcie_generation_of_speed("32.0 GT/s PCIe"), 5);
+    EXPECT_EQ(pcie_generation_of_speed("64.0 GT/s PCIe"), 6);
+    EXPECT_EQ(pcie_generation_of_speed("Unknown"), 0);
+    EXPECT_EQ(pcie_generation_of_speed(""), 0);
+    EXPECT_EQ(pcie_generation_of_speed("12.0 GT/s"), 0);
+}
+
+TEST(link, sysfs_figures_are_read_for_the_bus_id) {
+    fake_sysfs fs("read");
+    const std::string bus = "0000:3b:00.0";
+    fs.write(bus, "current_link_speed", "16.0 GT/s PCIe\n");
+    fs.write(bus, "current_link_width", "8\n");
+    fs.write(bus, "max_link_speed", "32.0 GT/s PCIe\n");
+    fs.write(bus, "max_link_width", "16\n");
+    link_info info;
+    info.pci_bus_id = bus;
+    std::string why;
+    ASSERT_TRUE(cudawait::detail::pcie_from_sysfs(info, why, fs.root.string())) << why;
+    EXPECT_EQ(info.pcie_generation, 4);
+    EXPECT_EQ(info.pcie_width, 8);
+    EXPECT_EQ(info.max_pcie_generation, 5);
+    EXPECT_EQ(info.max_pcie_width, 16);
+    EXPECT_TRUE(why.empty());
+}
+
+TEST(link, unreadable_sysfs_leaves_zeros_and_says_why) {
+    fake_sysfs fs("missing");
+    const std::string bus = "0000:01:00.0";
+    fs.write(bus, "current_link_speed", "Unknown\n"); // as some virtual machines report it
+    fs.write(bus, "current_link_width", "16\n");
+    fs.write(bus, "max_link_width", "16\n");
+    link_info info;
+    info.pci_bus_id = bus;
+    std::string why;
+    EXPECT_FALSE(cudawait::detail::pcie_from_sysfs(info, why, fs.root.string()));
+    EXPECT_EQ(info.pcie_generation, 0);
+    EXPECT_EQ(info.pcie_width, 0);
+    EXPECT_EQ(info.max_pcie_generation, 0);
+    EXPECT_EQ(info.max_pcie_width, 0);
+    EXPECT_NE(why.find(bus), std::string::npos) << why;
+
+    link_info other;
+    other.pci_bus_id = "0000:ff:00.0"; // no directory at all
+    EXPECT_FALSE(cudawait::detail::pcie_from_sysfs(other, why, fs.root.string()));
+    EXPECT_NE(why.find("0000:ff:00.0"), std::string::npos) << why;
+}
+
+TEST(link, to_string_marks_unknown_figures) {
+    link_info info;
+    info.device = 1;
+    info.pci_bus_id = "0000:3b:00.0";
+    info.pcie_generation = 5;
+    info.pcie_width = 16;
+    info.copy_engines = 3;
+    info.peak_gbps = 52.25;
+    info.source = "sysfs";
+    EXPECT_EQ(cudawait::to_string(info), "device 1 (0000:3b:00.0): PCIe gen 5 x16 (max gen ? x?), "
+                                         "3 copy engines, peak 52.2 GB/s [sysfs]");
+}
+
+TEST(link, alert_kinds_have_names) {
+    EXPECT_EQ(cudawait::to_string(cudawait::alert_kind::bandwidth), "bandwidth");
+    EXPECT_EQ(cudawait::to_string(cudawait::alert_kind::utilisation), "utilisation");
+    cudawait::pipeline_alert a{"h2d", 1.0, 2.0, 8};
+    EXPECT_EQ(a.kind, cudawait::alert_kind::bandwidth) << "the old four-field form stays valid";
+    EXPECT_EQ(pipeline_options{}.utilisation_fraction, 0.8);
+}
+
+// ---- on a GPU ---------------------------------------------------------------------------------
+
+class link_gpu : public cudawait::testing::pool_gpu_test {};
+
+// NVML or sysfs answers on a real machine; the figures are plausible and the source is named.
+TEST_F(link_gpu, describe_link_reports_the_pcie_link_engines_and_peak) {
+    link_info l = cudawait::describe_link(0);
+    std::printf("%s\n", cudawait::to_string(l).c_str());
+    EXPECT_EQ(l.device, 0);
+    EXPECT_EQ(l.pci_bus_id.size(), 12u) << l.pci_bus_id;
+    ASSERT_TRUE(l.source == "nvml" || l.source == "sysfs") << l.source;
+    EXPECT_GE(l.pcie_generation, 1);
+    EXPECT_GE(l.pcie_width, 1);
+    EXPECT_GE(l.max_pcie_generation, l.pcie_generation);
+    EXPECT_GE(l.max_pcie_width, l.pcie_width);
+    EXPECT_GE(l.copy_engines, 1);
+    EXPECT_GT(l.peak_gbps, 0);
+    EXPECT_THROW((void)cudawait::describe_link(cudawait::try_device_count()), cudawait::cuda_error);
+}
+
+// A pipeline whose host stage function sleeps before each launch: the GPU and the link wait on
+// the host, so each window's utilisation alert fires (kind utilisation, utilisation below the
+// fraction). The same pipeline without the sleep, on pinned memory, keeps the link busy: no
+// utilisation alert. Outputs are checked in both runs.
+TEST_F(link_gpu, utilisation_alert_fires_only_when_the_host_starves_the_link) {
+    // 16 MiB chunks, 4 deep: a copy takes far longer than the host needs to refill a slot, so
+    // without a delay the link stays busy.
+    const std::size_t chunk = 16_MiB / sizeof(u32);
+    const std::size_t n = chunk * 24;
+    pinned_buffer<u32> in(n);
+    pinned_buffer<u32> out(n);
+    auto data = random_words(n, 77);
+    std::copy(data.begin(), data.end(), in.begin());
+    std::vector<u32> want(n);
+    for (std::size_t off = 0; off < n; off += chunk) {
+        cudawait::testing::transform_on_host(data.data() + off, want.data() + off, chunk, salt);
+    }
+    for (auto host_delay : {std::chrono::milliseconds(0), std::chrono::milliseconds(20)}) {
+        SCOPED_TRACE(host_delay.count());
+        std::size_t utilisation_alerts = 0;
+        std::size_t alerts = 0;
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 4;
+        o.timing = true;
+        o.alert_window = 4;
+        o.alert_fraction = 0.01; // no bandwidth alert: only the utilisation alert is watched
+        o.on_alert = [&](const cudawait::pipeline_alert& a) {
+            ++alerts;
+            if (a.kind == cudawait::alert_kind::utilisation) {
+                ++utilisation_alerts;
+                EXPECT_LT(a.utilisation, o.utilisation_fraction);
+                EXPECT_GE(a.utilisation, 0.0);
+                EXPECT_GT(a.peak_gbps, 0);
+                EXPECT_EQ(a.window, 4u);
+            }
+        };
+        pipe_t p(o, {[host_delay](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                     std::this_thread::sleep_for(host_delay);
+                     cudawait::check(cudawait::testing::launch_transform(
+                                         a.data(), b.data(), a.size(), salt, 0, s.get()),
+                                     "launch_transform");
+                 }});
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, p.run(in.span(), out.span()));
+        for (std::size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(out[i], want[i]) << "element " << i;
+        }
+        EXPECT_EQ(p.stats().alerts, alerts);
+        if (host_delay.count() == 0) {
+            EXPECT_EQ(utilisation_alerts, 0u) << "a pinned copy-bound run keeps the link busy";
+        } else {
+            // 24 chunks: 6 windows of 4; a 16 MiB copy takes well under 2 ms, so the link is
+            // busy a few percent of each 20 ms-per-chunk window.
+            EXPECT_GE(utilisation_alerts, 5u);
+        }
+    }
+}
