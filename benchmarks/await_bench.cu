@@ -12,8 +12,9 @@
 //        BM_roundtrip_co_await            cudawait, poll_policy::spinning()
 //        BM_roundtrip_co_await_balanced   cudawait, poll_policy::balanced() (the default)
 //   2. Completion throughput, 10000 waiters x 50 awaits over 64 streams, one thread (the runs of
-//      the three variants are interleaved and measured together):
+//      the four variants are interleaved and measured together):
 //        BM_completions_co_await_spin / _balanced   cudawait tasks started with when_all
+//        BM_completions_co_await_spin_watchdog      _spin with a watchdog (heartbeat on) attached
 //        BM_completions_raw                         hand-written event record/query loop
 //   3. CPU used by the driving thread while one ~200 ms GPU wait is pending:
 //        BM_idle_cpu_spinning / _yielding / _sleeping / _balanced
@@ -351,8 +352,8 @@ void BM_roundtrip_co_await_balanced(benchmark::State& state) {
 
 // ---- 2. completion throughput -------------------------------------------------------------------
 //
-// The three variants' timed runs are interleaved (one run of each per round, the order rotating
-// from round to round) and measured together the first time any of the three benchmarks runs;
+// The four variants' timed runs are interleaved (one run of each per round, the order rotating
+// from round to round) and measured together the first time any of the four benchmarks runs;
 // each benchmark then publishes its own runs. Measured one benchmark after the other, the same
 // code moved by 20% and more between neighbouring benchmarks on an H200, and the absolute rate
 // depended several-fold on what the process had done before (see README.md), so only runs
@@ -499,10 +500,33 @@ double run_raw(raw_waiters& r, int awaits) {
 }
 
 /// The throughput variants, in the order of the first round.
-constexpr const char* kThroughputVariants[] = {"co_await_spin", "co_await_balanced", "raw"};
+constexpr const char* kThroughputVariants[] = {"co_await_spin", "co_await_balanced", "raw",
+                                               "co_await_spin_watchdog"};
 
-/// Runs all three variants, interleaved, on the same 64 streams. The two co_await variants share
-/// one scheduler (and so one event cache); its policy is switched between runs, while it is idle.
+/// The watchdog variant's window: short, so that it checks (and beats) every ~3 ms of a run.
+constexpr auto kWatchdogWindow = std::chrono::milliseconds(100);
+
+/// run_completion_workers with a watchdog (heartbeat on) watching `sched` for the run. The
+/// watchdog goes when the run is done, and its last heartbeat is drained before returning.
+double run_completion_workers_watched(cudawait::scheduler& sched,
+                                      const std::vector<cudawait::stream>& streams, int awaits) {
+    double secs = 0.0;
+    {
+        cudawait::watchdog_options o;
+        o.window = kWatchdogWindow;
+        o.on_stall = [](const cudawait::stall_info& info) {
+            std::fprintf(stderr, "await_bench: watchdog reported device %d stalled\n",
+                         info.device);
+        };
+        cudawait::watchdog wd(sched, o);
+        secs = run_completion_workers(sched, streams, awaits);
+    }
+    sched.run();
+    return secs;
+}
+
+/// Runs all four variants, interleaved, on the same 64 streams. The co_await variants share one
+/// scheduler (and so one event cache); its policy is switched between runs, while it is idle.
 runs_by_variant measure_throughput() {
     const std::vector<cudawait::stream> streams = make_streams();
     raw_waiters raw(streams);
@@ -511,6 +535,7 @@ runs_by_variant measure_throughput() {
     // Warm-up: fills the scheduler's event cache (kWaiters events) and node storage, and runs
     // the hand-written loop's code and events once.
     (void)run_completion_workers(sched, streams, 2);
+    (void)run_completion_workers_watched(sched, streams, 2); // loads the heartbeat kernel
     (void)run_raw(raw, 2);
 
     return interleaved(
@@ -519,8 +544,11 @@ runs_by_variant measure_throughput() {
             if (v == 2) {
                 return run_raw(raw, kAwaitsPerWaiter);
             }
-            sched.set_policy(v == 0 ? cudawait::poll_policy::spinning()
-                                    : cudawait::poll_policy::balanced());
+            sched.set_policy(v == 1 ? cudawait::poll_policy::balanced()
+                                    : cudawait::poll_policy::spinning());
+            if (v == 3) {
+                return run_completion_workers_watched(sched, streams, kAwaitsPerWaiter);
+            }
             return run_completion_workers(sched, streams, kAwaitsPerWaiter);
         },
         0); // warmed up above
@@ -554,6 +582,9 @@ void BM_completions_co_await_balanced(benchmark::State& state) {
 }
 void BM_completions_raw(benchmark::State& state) {
     guarded(state, [&] { publish_throughput(state, "raw"); });
+}
+void BM_completions_co_await_spin_watchdog(benchmark::State& state) {
+    guarded(state, [&] { publish_throughput(state, "co_await_spin_watchdog"); });
 }
 
 // ---- 3. idle CPU cost ---------------------------------------------------------------------------
@@ -639,11 +670,13 @@ void register_benchmarks() {
             benchmark::kMicrosecond);
     }
     // Throughput: each iteration is one full run of kCompletions completions, measured (for all
-    // three at once) by the first of them that runs.
+    // four at once) by the first of them that runs.
     for (auto [name, fn] :
          {std::pair{"BM_completions_co_await_spin", &BM_completions_co_await_spin},
           std::pair{"BM_completions_co_await_balanced", &BM_completions_co_await_balanced},
-          std::pair{"BM_completions_raw", &BM_completions_raw}}) {
+          std::pair{"BM_completions_raw", &BM_completions_raw},
+          std::pair{"BM_completions_co_await_spin_watchdog",
+                    &BM_completions_co_await_spin_watchdog}}) {
         RegisterBenchmark(name, fn)
             ->UseManualTime()
             ->Iterations(kThroughputRuns)
@@ -718,15 +751,18 @@ void print_summary() {
         std::printf("\nCompletions, %zu waiters x %d awaits over %zu streams, one thread "
                     "(median of %lld interleaved runs)\n",
                     kWaiters, kAwaitsPerWaiter, kStreams, static_cast<long long>(kThroughputRuns));
-        for (const char* k : {"co_await_spin", "co_await_balanced", "raw"}) {
+        for (const char* k :
+             {"co_await_spin", "co_await_balanced", "raw", "co_await_spin_watchdog"}) {
             if (auto it = g_rate.find(k); it != g_rate.end()) {
-                std::printf("  %-20s %12.0f completions/s\n", k, it->second);
+                std::printf("  %-22s %12.0f completions/s\n", k, it->second);
             }
         }
         std::printf("  co_await_spin / raw                   %s\n",
                     ratio(g_rate, "co_await_spin", "raw").c_str());
         std::printf("  co_await_balanced / raw               %s\n",
                     ratio(g_rate, "co_await_balanced", "raw").c_str());
+        std::printf("  co_await_spin_watchdog / co_await_spin %s   (target >= 0.98)\n",
+                    ratio(g_rate, "co_await_spin_watchdog", "co_await_spin").c_str());
     }
     if (!g_cpu_fraction.empty()) {
         // The spinning policy's overshoot is the floor (launch, kernel start, any difference in

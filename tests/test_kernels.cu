@@ -196,3 +196,43 @@ void deallocate_through_cuda_mr(pinned_pool&, void*, std::size_t) {}
 #endif
 
 } // namespace cudawait::testing
+
+namespace cudawait::testing {
+
+namespace {
+
+__global__ void wait_flag_block_kernel(const volatile std::uint32_t* flag,
+                                       std::uint64_t timeout_ns) {
+    if (threadIdx.x == 0) {
+        const std::uint64_t start = global_ns();
+        while (*flag == 0 && global_ns() - start < timeout_ns) {
+        }
+    }
+    // The other threads hold their slots until thread 0 is done.
+    __syncthreads();
+}
+
+} // namespace
+
+cudaError_t launch_wait_flag_everywhere(const volatile std::uint32_t* flag,
+                                        std::uint64_t timeout_ns, cudaStream_t s) {
+    int dev = 0;
+    int sms = 0;
+    int per_sm = 0;
+    if (cudaError_t st = cudaStreamGetDevice(s, &dev); st != cudaSuccess) {
+        return st;
+    }
+    if (cudaError_t st = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+        st != cudaSuccess) {
+        return st;
+    }
+    if (cudaError_t st = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, wait_flag_block_kernel, 1024, 0);
+        st != cudaSuccess) {
+        return st;
+    }
+    wait_flag_block_kernel<<<static_cast<unsigned>(sms * per_sm), 1024, 0, s>>>(flag, timeout_ns);
+    return cudaGetLastError();
+}
+
+} // namespace cudawait::testing

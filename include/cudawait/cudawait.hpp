@@ -30,6 +30,7 @@
 #include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 #include <cudawait/version.hpp>
+#include <cudawait/watchdog.hpp>
 #include <cudawait/when_all.hpp>
 
 #include <cuda_runtime.h>

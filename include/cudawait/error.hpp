@@ -4,6 +4,7 @@
 // Synopsis
 //   class cuda_error;        a failed CUDA runtime call: status, API name, call site, stickiness
 //   class timeout_error;     an await that outlived its deadline
+//   class stall_error;       an await failed by a watchdog: its device made no progress
 //   bool  is_sticky(status); does this status poison the context for the rest of the process?
 //   void  check(status, api, where = current());  throws cuda_error unless status is cudaSuccess
 //
@@ -106,6 +107,26 @@ public:
 
 private:
     std::chrono::nanoseconds m_after;
+};
+
+/// An await that a watchdog (watchdog.hpp) failed because its device made no progress for the
+/// watchdog's window. Like a timeout, the awaited work is not cancelled: the GPU may still run
+/// it, and the scheduler keeps tracking it until it completes.
+class stall_error : public std::runtime_error {
+public:
+    stall_error(int device, std::chrono::nanoseconds stalled_for)
+        : std::runtime_error("device " + std::to_string(device) + " made no progress for " +
+                             std::to_string(stalled_for.count()) + " ns"),
+          m_device(device), m_stalled_for(stalled_for) {}
+
+    /// The device that stopped making progress.
+    [[nodiscard]] int device() const noexcept { return m_device; }
+    /// How long it had made none when the watchdog gave up on the await.
+    [[nodiscard]] std::chrono::nanoseconds stalled_for() const noexcept { return m_stalled_for; }
+
+private:
+    int m_device;
+    std::chrono::nanoseconds m_stalled_for;
 };
 
 /// Misuse of the library that no CUDA status describes: a moved-from object, a task awaited

@@ -117,6 +117,15 @@ struct timer_node {
     std::coroutine_handle<> waiter;
     std::function<void()> callback;
     bool cancelled = false;
+    /// Set by add_daemon_timer: not counted as pending work (run() and the destructor do not
+    /// wait for it), for periodic checks such as a watchdog's.
+    bool daemon = false;
+};
+
+/// Which device a watchdog found stalled and for how long: what a wait it failed throws.
+struct stall_record {
+    int device = -1;
+    std::chrono::nanoseconds stalled_for{0};
 };
 
 inline void cpu_relax() noexcept {
@@ -339,14 +348,82 @@ private:
         push_timer(t);
         return t;
     }
+    /// add_timer(deadline, fn) for a periodic check: the timer does not keep run() going nor
+    /// the destructor waiting. Loop thread only.
+    detail::timer_node* add_daemon_timer(clock::time_point deadline, std::function<void()> fn) {
+        auto* t = new detail::timer_node{deadline, m_timer_seq++, {}, std::move(fn), false};
+        t->daemon = true;
+        push_timer(t);
+        return t;
+    }
     /// Cancels a callback timer that has not fired yet. Loop thread only.
     void cancel_timer(detail::timer_node* t) noexcept {
         if (t != nullptr && !t->cancelled) {
             t->cancelled = true;
             t->callback = nullptr;
-            --m_live_timers;
+            m_live_timers -= t->daemon ? 0 : 1;
         }
     }
+
+    // ---- for a watchdog (watchdog.hpp); loop thread only ------------------------------------
+
+    /// Stream waits completed on `dev` so far: a watchdog sees progress as this count moving.
+    [[nodiscard]] std::uint64_t completed_on(int dev) const noexcept {
+        return static_cast<std::size_t>(dev) < m_completed.size()
+                   ? m_completed[static_cast<std::size_t>(dev)]
+                   : 0;
+    }
+    /// Devices with stream waits pending (awaits a watchdog failed no longer count).
+    void pending_devices(std::vector<int>& out) const {
+        out.clear();
+        for (const detail::stream_fifo* f : m_active) {
+            if (std::find(out.begin(), out.end(), f->device) == out.end() && live_waits(f) > 0) {
+                out.push_back(f->device);
+            }
+        }
+    }
+    /// The streams of `dev` with pending awaits, and how many awaits are pending on them.
+    std::size_t pending_on(int dev, std::vector<cudaStream_t>& streams) const {
+        streams.clear();
+        std::size_t waits = 0;
+        for (const detail::stream_fifo* f : m_active) {
+            if (f->device == dev) {
+                if (std::size_t n = live_waits(f); n > 0) {
+                    streams.push_back(f->stream);
+                    waits += n;
+                }
+            }
+        }
+        return waits;
+    }
+    /// Resumes every coroutine awaiting a stream of `dev`, its await throwing stall_error. The
+    /// events stay queued until the GPU completes them (so nothing it may still touch is reused)
+    /// and are then recycled without resuming anyone. Returns how many awaits it failed.
+    std::size_t fail_waits_on(int dev, std::chrono::nanoseconds stalled_for) {
+        std::vector<std::coroutine_handle<>> failed;
+        for (detail::stream_fifo* f : m_active) {
+            if (f->device != dev) {
+                continue;
+            }
+            for (detail::wait_node* n = f->head; n != nullptr; n = n->next) {
+                if (n->status != &m_orphan_status) {
+                    failed.push_back(n->waiter);
+                    // Never a completion's status: poll_streams keeps NotReady nodes queued.
+                    *n->status = cudaErrorNotReady;
+                    n->status = &m_orphan_status;
+                    n->waiter = std::noop_coroutine();
+                }
+            }
+        }
+        // Resumed here, one after the other, so that each reads this device's record.
+        for (std::coroutine_handle<> h : failed) {
+            m_stall = {dev, stalled_for};
+            h.resume();
+        }
+        return failed.size();
+    }
+    /// What the last wait fail_waits_on resumed throws.
+    [[nodiscard]] const detail::stall_record& last_stall() const noexcept { return m_stall; }
     /// Library-internal detached coroutines (the work behind a with_timeout) are counted so
     /// that run() and the destructor wait for them. Loop thread only.
     void child_started() noexcept { m_children.fetch_add(1, std::memory_order_relaxed); }
@@ -394,6 +471,14 @@ private:
     private:
         scheduler& m_s;
     };
+
+    [[nodiscard]] std::size_t live_waits(const detail::stream_fifo* f) const noexcept {
+        std::size_t n = 0;
+        for (const detail::wait_node* w = f->head; w != nullptr; w = w->next) {
+            n += w->status != &m_orphan_status ? 1 : 0;
+        }
+        return n;
+    }
 
     bool add_stream_wait_local(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
                                const char*& api) {
@@ -546,6 +631,7 @@ private:
                     f->tail = nullptr;
                 }
                 --m_stream_waits;
+                ++m_completed[static_cast<std::size_t>(f->device)];
                 f->spare.push_back(n->event);
                 complete(n, st);
                 // Resume right away: the resumed coroutine usually enqueues its next work on
@@ -607,8 +693,8 @@ private:
             if (t->cancelled) {
                 continue;
             }
-            --m_live_timers;
-            progress = true;
+            m_live_timers -= t->daemon ? 0 : 1;
+            progress |= !t->daemon; // a periodic check is not progress of the loop
             if (t->waiter) {
                 m_ready.push_back(t->waiter);
             } else if (t->callback) {
@@ -662,7 +748,7 @@ private:
     void push_timer(detail::timer_node* t) {
         m_timers.push_back(t);
         std::push_heap(m_timers.begin(), m_timers.end(), timer_later{});
-        ++m_live_timers;
+        m_live_timers += t->daemon ? 0 : 1;
     }
     void drop_cancelled_timers() {
         while (!m_timers.empty() && m_timers.front()->cancelled) {
@@ -690,6 +776,9 @@ private:
         } else {
             f = m_free_fifos.back();
             m_free_fifos.pop_back();
+        }
+        if (static_cast<std::size_t>(dev) >= m_completed.size()) {
+            m_completed.resize(static_cast<std::size_t>(dev) + 1, 0);
         }
         f->stream = s;
         f->device = dev;
@@ -761,6 +850,9 @@ private:
     std::size_t m_live_timers = 0;
     std::uint64_t m_timer_seq = 0;
     std::atomic<std::size_t> m_children{0};
+    std::vector<std::uint64_t> m_completed; ///< stream waits completed, by device
+    cudaError_t m_orphan_status = cudaSuccess; ///< where failed awaits' completions go
+    detail::stall_record m_stall;
 
     // Shared with other threads.
     std::mutex m_remote_mutex;
@@ -796,7 +888,26 @@ struct scheduler_access {
                                  std::function<void()> fn) {
         return s.add_timer(deadline, std::move(fn));
     }
+    static timer_node* add_daemon_timer(scheduler& s, clock::time_point deadline,
+                                        std::function<void()> fn) {
+        return s.add_daemon_timer(deadline, std::move(fn));
+    }
     static void cancel_timer(scheduler& s, timer_node* t) noexcept { s.cancel_timer(t); }
+    [[nodiscard]] static std::uint64_t completed_on(const scheduler& s, int dev) noexcept {
+        return s.completed_on(dev);
+    }
+    static void pending_devices(const scheduler& s, std::vector<int>& out) {
+        s.pending_devices(out);
+    }
+    static std::size_t pending_on(const scheduler& s, int dev, std::vector<cudaStream_t>& out) {
+        return s.pending_on(dev, out);
+    }
+    static std::size_t fail_waits_on(scheduler& s, int dev, std::chrono::nanoseconds d) {
+        return s.fail_waits_on(dev, d);
+    }
+    [[nodiscard]] static const stall_record& last_stall(const scheduler& s) noexcept {
+        return s.last_stall();
+    }
     static void child_started(scheduler& s) noexcept { s.child_started(); }
     static void child_finished(scheduler& s) noexcept { s.child_finished(); }
     static void resume_soon(scheduler& s, std::coroutine_handle<> h) { s.resume_soon(h); }
@@ -821,7 +932,12 @@ public:
         return scheduler_access::add_wait(*m_scheduler, m_handle, h, m_status, m_api);
     }
     /// @throws cuda_error carrying the status the poll observed and this await's call site
+    /// @throws stall_error when a watchdog gave up on the await (its device made no progress)
     void await_resume() const {
+        if (m_status == cudaErrorNotReady) [[unlikely]] {
+            const stall_record& r = scheduler_access::last_stall(*m_scheduler);
+            throw stall_error(r.device, r.stalled_for);
+        }
         if (m_status != cudaSuccess) {
             throw cuda_error(m_status, m_api, m_where);
         }
