@@ -50,7 +50,7 @@ if has memcheck; then
     [ $rc -eq 0 ] || status=1
   }
   failing_calls='*impossible_size*:*timing_disabled*'
-  for t in device stream event graph pinned_pool pinned_buffer device_buffer mapped_buffer copy timeout; do
+  for t in device stream event graph pinned_pool pinned_buffer device_buffer mapped_buffer copy timeout watchdog; do
     run_memcheck "${t}_test" "-*kernel_fault*:*no_device*:*without_a_device*:*churn*:$failing_calls" 180
   done
   run_memcheck device_buffer_test "$failing_calls" 120 --report-api-errors no
