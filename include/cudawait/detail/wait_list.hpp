@@ -59,6 +59,13 @@ public:
             });
         }
         [[nodiscard]] bool await_resume() const noexcept { return state->notified; }
+        // A coroutine destroyed while it waits: neither its timer nor a notify may resume it.
+        ~timed_awaiter() {
+            if (state && state->sched != nullptr && !state->resumed) {
+                state->resumed = true;
+                scheduler_access::cancel_timer(*state->sched, std::exchange(state->timer, nullptr));
+            }
+        }
     };
     [[nodiscard]] timed_awaiter wait_until(scheduler& s,
                                            std::chrono::steady_clock::time_point deadline) {
