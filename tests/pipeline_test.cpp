@@ -9,6 +9,8 @@
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/when_all.hpp>
 
+#include <cudawait/detail/wait_list.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -16,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -459,6 +462,7 @@ TEST_F(pipeline_gpu, streaming_hands_a_failed_chunk_to_the_fallback_in_order) {
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
+        o.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
         o.on_degrade = [](const cudawait::chunk_failure&) {};
         auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2});
         pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
@@ -997,6 +1001,7 @@ TEST_F(pipeline_gpu,
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
+    o.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
     o.on_degrade = [](const cudawait::chunk_failure&) {};
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2});
     pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
@@ -1984,6 +1989,441 @@ TEST_F(pipeline_gpu, stage_streams_overlap_the_stages_of_successive_chunks) {
             // One compute stream runs every kernel in turn.
             EXPECT_GE(wall, 0.95 * stage_sum) << "wall " << wall << " s, stages " << stage_sum;
         }
+    }
+}
+
+// ---- streaming that cannot hang, and depth that recovers --------------------------------------
+
+using clock_type = std::chrono::steady_clock;
+
+double ms_since(clock_type::time_point t0) {
+    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+TEST(pipeline_wait_list, wait_until_ends_at_the_deadline_or_at_a_notify_never_both) {
+    cudawait::scheduler sched;
+    cudawait::detail::wait_list list;
+    std::vector<std::pair<bool, double>> woke; // (notified, ms waited)
+    auto waiter = [&](std::chrono::milliseconds d) -> cudawait::task<void> {
+        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        auto t0 = clock_type::now();
+        bool notified = co_await list.wait_until(s, t0 + d);
+        woke.emplace_back(notified, ms_since(t0));
+    };
+    auto notifier = [&]() -> cudawait::task<void> {
+        co_await cudawait::sleep_for(40ms);
+        list.notify_all(); // wakes the 500 ms waiter; the 10 ms one timed out already
+        co_await cudawait::sleep_for(600ms); // past the woken one's deadline: no second resume
+        list.notify_all();                   // nobody waits: nothing happens
+    };
+    cudawait::sync_wait(sched, cudawait::when_all(waiter(10ms), waiter(500ms), notifier()));
+    ASSERT_EQ(woke.size(), 2u);
+    EXPECT_FALSE(woke[0].first) << "the 10 ms waiter timed out";
+    EXPECT_GE(woke[0].second, 10.0);
+    EXPECT_LT(woke[0].second, 150.0);
+    EXPECT_TRUE(woke[1].first) << "the 500 ms waiter was notified";
+    EXPECT_GE(woke[1].second, 40.0);
+    EXPECT_LT(woke[1].second, 400.0);
+    // A deadline already passed does not suspend.
+    woke.clear();
+    auto late = [&]() -> cudawait::task<void> {
+        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        auto t0 = clock_type::now();
+        bool notified = co_await list.wait_until(s, t0 - 1ms);
+        woke.emplace_back(notified, ms_since(t0));
+    };
+    cudawait::sync_wait(sched, late());
+    ASSERT_EQ(woke.size(), 1u);
+    EXPECT_FALSE(woke[0].first);
+    EXPECT_LT(woke[0].second, 5.0);
+}
+
+/// Fills a slot with `c` and submits it.
+cudawait::task<void> submit_chunk(pipe_t& p, const std::vector<u32>& c) {
+    auto slot = co_await p.acquire();
+    std::copy(c.begin(), c.end(), slot.data().begin());
+    p.submit(std::move(slot), c.size());
+}
+
+/// The result is chunk `index` of `chunks`, transformed right.
+::testing::AssertionResult right_result(const std::optional<pipe_t::result>& r,
+                                        const std::vector<std::vector<u32>>& chunks,
+                                        std::size_t index) {
+    if (!r) {
+        return ::testing::AssertionFailure() << "no result where chunk " << index << " was due";
+    }
+    if (r->chunk() != index) {
+        return ::testing::AssertionFailure() << "chunk " << r->chunk() << " instead of " << index;
+    }
+    const auto& in = chunks[index];
+    std::vector<u32> want(in.size());
+    cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
+    if (!std::equal(want.begin(), want.end(), r->data().begin(), r->data().end())) {
+        return ::testing::AssertionFailure() << "chunk " << index << "'s output is wrong";
+    }
+    return ::testing::AssertionSuccess();
+}
+
+/// A stage whose call number `stuck_call` first spins until *flag (mapped) is set (20 s at most).
+pipe_t::stage flag_stage(const u32* flag, int stuck_call, std::shared_ptr<int> calls) {
+    return [flag, stuck_call, calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+        if ((*calls)++ == stuck_call) {
+            cudawait::check(cudawait::testing::launch_wait_flag(flag, 20'000'000'000ull, s.get()),
+                            "launch_wait_flag");
+        }
+        cudawait::check(
+            cudawait::testing::launch_transform(a.data(), b.data(), a.size(), salt, 0, s.get()),
+            "launch_transform");
+    };
+}
+
+TEST_F(pipeline_gpu, a_timeout_is_a_usage_error_when_negative_and_a_poll_when_zero) {
+    pipeline_options o;
+    o.chunk_elements = 1000;
+    o.depth = 2;
+    pipe_t p(o, {transform_stage()});
+    EXPECT_THROW((void)p.acquire(-1ns), usage_error) << "thrown at the call";
+    EXPECT_THROW((void)p.next(-1ms), usage_error);
+    std::vector<std::vector<u32>> chunks{random_words(1000, 70)};
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        // Nothing submitted: a zero timeout (and a deadline already passed) fails at once.
+        auto t0 = clock_type::now();
+        EXPECT_THROW((void)co_await p.next(0ns), cudawait::timeout_error);
+        EXPECT_THROW((void)co_await p.next(clock_type::now() - 1s), cudawait::timeout_error);
+        EXPECT_LT(ms_since(t0), 50.0);
+        // A slot is free: a zero timeout takes it.
+        auto slot = co_await p.acquire(0ns);
+        std::copy(chunks[0].begin(), chunks[0].end(), slot.data().begin());
+        p.submit(std::move(slot), chunks[0].size());
+        EXPECT_TRUE(right_result(co_await p.next(5s), chunks, 0));
+        p.close();
+        EXPECT_FALSE(co_await p.next(0ns)) << "closed and drained: the end, not a timeout";
+    }());
+}
+
+TEST_F(pipeline_gpu, next_with_a_timeout_fails_on_time_and_the_chunk_stays_in_line) {
+    const std::size_t chunk = 30'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 5; ++i) {
+        chunks.push_back(random_words(chunk - i * 7, 80 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    std::vector<cudawait::chunk_failure> log;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 1, std::make_shared<int>(0))},
+             host_fallback);
+    cudawait::scheduler sched;
+    std::vector<double> waited; // ms: next(100ms), next(0ns), next(now + 50ms)
+    std::vector<std::int64_t> after_ns;
+    std::vector<std::size_t> delivered;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 3; ++i) {
+            co_await submit_chunk(p, chunks[i]);
+        }
+        {
+            auto r = co_await p.next();
+            EXPECT_TRUE(right_result(r, chunks, 0));
+            delivered.push_back(r->chunk());
+        }
+        // Chunk 1 waits for the flag: each timed call gives up on time and takes nothing.
+        for (int call = 0; call < 3; ++call) {
+            auto t0 = clock_type::now();
+            try {
+                if (call == 0) {
+                    (void)co_await p.next(100ms);
+                } else if (call == 1) {
+                    (void)co_await p.next(0ns);
+                } else {
+                    (void)co_await p.next(clock_type::now() + 50ms);
+                }
+                ADD_FAILURE() << "call " << call << " returned";
+            } catch (const cudawait::timeout_error& e) {
+                after_ns.push_back(e.after().count());
+            }
+            waited.push_back(ms_since(t0));
+        }
+        std::atomic_ref<u32>(release_flag[0]).store(1);
+        for (std::size_t i = 1; i < 5; ++i) {
+            if (i >= 3) {
+                co_await submit_chunk(p, chunks[i]);
+            }
+            auto r = co_await p.next(10s);
+            EXPECT_TRUE(right_result(r, chunks, i));
+            delivered.push_back(r->chunk());
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // on a failure above, before teardown
+    ASSERT_EQ(waited.size(), 3u);
+    EXPECT_GE(waited[0], 100.0);
+    EXPECT_LT(waited[0], 100.0 + 150.0) << "next(100ms) gave up late";
+    EXPECT_LT(waited[1], 20.0) << "next(0ns) polls";
+    EXPECT_GE(waited[2], 45.0);
+    EXPECT_LT(waited[2], 50.0 + 150.0);
+    ASSERT_EQ(after_ns.size(), 3u);
+    EXPECT_EQ(after_ns[0], std::int64_t{100'000'000});
+    EXPECT_EQ(after_ns[1], 0);
+    EXPECT_EQ(delivered, (std::vector<std::size_t>{0, 1, 2, 3, 4})) << "in order, once each";
+    auto st = p.stats();
+    EXPECT_EQ(st.chunks, 5u);
+    EXPECT_EQ(st.gpu_chunks, 5u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
+    EXPECT_TRUE(log.empty()) << "a caller's timeout is no degradation";
+}
+
+TEST_F(pipeline_gpu, acquire_with_a_timeout_fails_on_time_while_slots_and_queue_are_full) {
+    const std::size_t chunk = 20'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 3; ++i) {
+        chunks.push_back(random_words(chunk, 90 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.queue_capacity = 2;
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
+    cudawait::scheduler sched;
+    double waited = 0;
+    std::int64_t after = -1;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_chunk(p, chunks[0]); // stuck until the flag
+        co_await submit_chunk(p, chunks[1]);
+        auto t0 = clock_type::now();
+        try {
+            (void)co_await p.acquire(80ms);
+            ADD_FAILURE() << "acquire returned a slot while every slot was busy";
+        } catch (const cudawait::timeout_error& e) {
+            after = e.after().count();
+        }
+        waited = ms_since(t0);
+        EXPECT_THROW((void)co_await p.acquire(0ns), cudawait::timeout_error);
+        std::atomic_ref<u32>(release_flag[0]).store(1);
+        EXPECT_TRUE(right_result(co_await p.next(10s), chunks, 0));
+        // Chunk 0's result is gone: its slot and a queue place are free again.
+        auto slot = co_await p.acquire(10s);
+        std::copy(chunks[2].begin(), chunks[2].end(), slot.data().begin());
+        p.submit(std::move(slot), chunks[2].size());
+        EXPECT_TRUE(right_result(co_await p.next(10s), chunks, 1));
+        EXPECT_TRUE(right_result(co_await p.next(10s), chunks, 2));
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1);
+    EXPECT_GE(waited, 80.0);
+    EXPECT_LT(waited, 80.0 + 150.0) << "acquire(80ms) gave up late";
+    EXPECT_EQ(after, std::int64_t{80'000'000});
+    EXPECT_EQ(p.stats().gpu_chunks, 3u);
+}
+
+/// Streams `chunks` with a producer and a consumer; the consumer's log.
+stream_log stream_all(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
+    stream_log log;
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched,
+                        cudawait::when_all(producer(p, chunks, log), consumer(p, chunks, log)));
+    return log;
+}
+
+TEST_F(pipeline_gpu, streaming_retries_a_launch_error_with_less_depth_and_the_gpu_delivers) {
+    cudaError_t bad_launch = cudaSuccess;
+    {
+        cudawait::stream probe;
+        bad_launch = cudawait::testing::launch_bad_config(probe.get());
+    }
+    ASSERT_NE(bad_launch, cudaSuccess);
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 8; ++i) {
+        chunks.push_back(random_words(chunk - i, 300 + i));
+    }
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.recover_after = 0; // the depth stays lowered
+    std::vector<cudawait::chunk_failure> log;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    std::vector<std::size_t> fallback_calls;
+    auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2}); // chunk 2, first try
+    pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
+             [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 host_fallback(c, a, b);
+             });
+    stream_log got = stream_all(p, chunks);
+    EXPECT_EQ(got.consumed, chunks.size());
+    EXPECT_EQ(got.bad, 0u);
+    EXPECT_EQ(got.out_of_order, 0u);
+    EXPECT_TRUE(fallback_calls.empty()) << "the retry on the GPU produced chunk 2";
+    ASSERT_EQ(log.size(), 1u);
+    EXPECT_EQ(log[0].chunk, 2u);
+    EXPECT_EQ(log[0].level, cudawait::degrade_level::retry);
+    EXPECT_EQ(log[0].action, cudawait::degrade_action::retried_with_less_depth);
+    EXPECT_EQ(log[0].error.status, bad_launch);
+    EXPECT_FALSE(log[0].error.sticky);
+    EXPECT_EQ(log[0].depth, 2u);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, chunks.size());
+    EXPECT_EQ(st.retries, 1u);
+    EXPECT_EQ(st.depth, 2u);
+    EXPECT_EQ(st.recoveries, 0u);
+}
+
+TEST_F(pipeline_gpu, streaming_waits_again_for_a_slow_chunk_with_less_depth) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 6; ++i) {
+        chunks.push_back(random_words(chunk, 400 + i));
+    }
+    auto calls = std::make_shared<int>(0);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.chunk_timeout = 60ms;
+    o.max_retries = 10;
+    o.recover_after = 0;
+    std::vector<cudawait::chunk_failure> log;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    // Chunk 2's kernel takes 300 ms: several timeouts, then it finishes.
+    pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                 std::uint64_t spin = (*calls)++ == 2 ? 300'000'000 : 0;
+                 cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
+                                                                     salt, spin, s.get()),
+                                 "launch_transform");
+             }},
+             host_fallback);
+    stream_log got = stream_all(p, chunks);
+    EXPECT_EQ(got.consumed, chunks.size());
+    EXPECT_EQ(got.bad, 0u);
+    EXPECT_EQ(got.out_of_order, 0u);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, chunks.size()) << "the slow chunk is the GPU's";
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks, 0u);
+    EXPECT_GE(st.retries, 2u);
+    EXPECT_EQ(st.retries, log.size());
+    EXPECT_EQ(st.depth, 1u);
+    for (const cudawait::chunk_failure& f : log) {
+        EXPECT_EQ(f.chunk, 2u);
+        EXPECT_EQ(f.level, cudawait::degrade_level::retry);
+        EXPECT_EQ(f.action, cudawait::degrade_action::waited_again);
+        EXPECT_TRUE(f.error.timed_out);
+        EXPECT_EQ(f.error.status, cudaSuccess);
+    }
+}
+
+TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_order) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 4; ++i) {
+        chunks.push_back(random_words(chunk, 500 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.chunk_timeout = 30ms;
+    o.max_retries = 1;
+    std::vector<cudawait::chunk_failure> log;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 1, std::make_shared<int>(0))},
+             host_fallback);
+    cudawait::scheduler sched;
+    std::vector<std::vector<std::size_t>> failed; // what each pipeline_error named
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 3; ++i) {
+            co_await submit_chunk(p, chunks[i]);
+        }
+        EXPECT_TRUE(right_result(co_await p.next(), chunks, 0));
+        for (int i = 0; i < 2; ++i) { // chunk 1 hangs; chunk 2 is queued behind it
+            try {
+                (void)co_await p.next();
+                ADD_FAILURE() << "a hung chunk was delivered";
+            } catch (const pipeline_error& e) {
+                failed.push_back(e.failed());
+            }
+        }
+        co_await submit_chunk(p, chunks[3]); // chunk 0's slot; the GPU is given up
+        auto r = co_await p.next();
+        EXPECT_TRUE(right_result(r, chunks, 3));
+        EXPECT_TRUE(r && r->by_fallback());
+        r.reset();
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // let the kernel finish before teardown
+    EXPECT_EQ(failed, (std::vector<std::vector<std::size_t>>{{1}, {2}}));
+    std::vector<std::pair<std::size_t, cudawait::degrade_action>> steps;
+    for (const cudawait::chunk_failure& f : log) {
+        steps.emplace_back(f.chunk, f.action);
+    }
+    EXPECT_EQ(steps, (std::vector<std::pair<std::size_t, cudawait::degrade_action>>{
+                         {1, cudawait::degrade_action::waited_again},
+                         {1, cudawait::degrade_action::failed_timed_out},
+                         {2, cudawait::degrade_action::failed_timed_out},
+                         {3, cudawait::degrade_action::fallback}}));
+    auto st = p.stats();
+    EXPECT_TRUE(st.gpu_abandoned);
+    EXPECT_EQ(st.chunks, 4u);
+    EXPECT_EQ(st.gpu_chunks, 1u);
+    EXPECT_EQ(st.failed_chunks, 2u);
+    EXPECT_EQ(st.fallback_chunks, 1u);
+}
+
+TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streaming) {
+    const std::size_t chunk = 10'000;
+    const std::size_t count = 12;
+    for (int mode = 0; mode < 3; ++mode) { // batch pageable, batch pinned, streaming
+        SCOPED_TRACE(mode == 0 ? "batch, pageable" : mode == 1 ? "batch, pinned" : "streaming");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.recover_after = 4;
+        std::vector<cudawait::chunk_failure> log;
+        o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+        // The first try of chunk 1 fails to launch: depth 3 -> 2, then 4 clean chunks: 3.
+        auto fails = std::make_shared<std::vector<int>>(std::vector<int>{1});
+        pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))}, host_fallback);
+        if (mode < 2) {
+            auto in = random_words(chunk * count, 600 + mode);
+            std::vector<u32> out(in.size(), 0xdeadbeefu);
+            pinned_buffer<u32> pin(in.size());
+            pinned_buffer<u32> pout(in.size());
+            cudawait::scheduler sched;
+            if (mode == 0) {
+                cudawait::sync_wait(sched, p.run(in, out));
+            } else {
+                copy_into(pin, in);
+                std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+                cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+                out.assign(pout.begin(), pout.end());
+            }
+            EXPECT_EQ(first_mismatch(out, expected(in, chunk)), in.size());
+        } else {
+            std::vector<std::vector<u32>> chunks;
+            for (std::size_t i = 0; i < count; ++i) {
+                chunks.push_back(random_words(chunk, 700 + i));
+            }
+            stream_log got = stream_all(p, chunks);
+            EXPECT_EQ(got.consumed, count);
+            EXPECT_EQ(got.bad, 0u);
+            EXPECT_EQ(got.out_of_order, 0u);
+        }
+        ASSERT_EQ(log.size(), 1u);
+        EXPECT_EQ(log[0].action, cudawait::degrade_action::retried_with_less_depth);
+        EXPECT_EQ(log[0].depth, 2u) << "lowered first";
+        auto st = p.stats();
+        EXPECT_EQ(st.gpu_chunks, count);
+        EXPECT_EQ(st.retries, 1u);
+        EXPECT_EQ(st.recoveries, 1u);
+        EXPECT_EQ(st.depth, 3u) << "back to the configured depth";
     }
 }
 

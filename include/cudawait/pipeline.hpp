@@ -16,6 +16,8 @@
 //               fill(slot.data()); pipe.submit(std::move(slot), n);
 //               while (auto r = co_await pipe.next()) use(r->data());   // in submission order
 //               pipe.close();                             // next() drains, then ends
+//               co_await pipe.acquire(50ms); co_await pipe.next(deadline);  // timeout_error
+//                                        // when it passes; nothing is taken or lost then
 //
 // Stages are chained: stage 0 reads the chunk's device input, each later stage reads the
 // previous stage's output, and the last writes the chunk's device output, which goes D2H. With
@@ -83,6 +85,18 @@
 // callback) reaches the caller of run() or next(); run() first waits for the chunks still in
 // flight, so that no copy lands in the caller's memory after it returned (one that outlives
 // chunk_timeout meanwhile may still land, as above).
+// Streaming degrades the same way: a retryable enqueue error is retried at once with one slot
+// fewer, and a chunk whose wait in next() outlives chunk_timeout is waited for again with one
+// slot fewer (level 1); past max_retries the first goes to the fallback, the second is reported
+// failed like a batch's (the chunks behind it too, and their slots stay out of use). Depth in
+// streaming bounds the chunks the GPU works on at once (a chunk's copy waits on the GPU for the
+// one `depth` submissions earlier); it never makes acquire() wait, so no producer deadlocks.
+// Recovery, both modes: after `recover_after` chunks completed cleanly at a lowered depth, the
+// depth goes up by one (stats().recoveries), up to the configured one.
+// Timeouts of the calls: acquire(timeout) and next(timeout) (or a steady_clock deadline) throw
+// timeout_error once it passed; no slot is taken, and the chunk next() waited for stays first in
+// line (a later next() returns it, in order). A zero timeout or a deadline already passed polls:
+// what is ready now, else timeout_error at once. A negative timeout is a usage_error.
 // Each step is reported to `on_degrade` (default: one line on stderr) as a chunk_failure: the
 // degrade_level (retry, give_up) and degrade_action, the typed chunk_error (CUDA status, sticky,
 // timed out), and what a post-mortem needs: the chunk, the configuration, the streams and the
@@ -118,6 +132,8 @@
 #include <cudawait/detail/pipeline_slots.hpp>
 #include <cudawait/detail/pipeline_stream.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -201,6 +217,19 @@ public:
     /// @throws usage_error after close() until next() returned the end, or during a batch run
     [[nodiscard]] task<input_slot> acquire() { return m_stream.acquire(); }
 
+    /// acquire() that gives up after `timeout` (from this call): no slot is taken then.
+    /// Zero polls (a slot free now, else the error).
+    /// @throws usage_error for a negative timeout (at the call) and as acquire();
+    ///         timeout_error (after() == timeout) once it passed
+    [[nodiscard]] task<input_slot> acquire(std::chrono::nanoseconds timeout) {
+        return m_stream.acquire(deadline_after(timeout, "acquire"), timeout);
+    }
+    /// acquire() that gives up at `deadline`; one already passed polls.
+    /// @throws usage_error as acquire(); timeout_error (after(): the time left at the call)
+    [[nodiscard]] task<input_slot> acquire(std::chrono::steady_clock::time_point deadline) {
+        return m_stream.acquire(deadline, time_left(deadline));
+    }
+
     /// Starts the slot's chunk of `count` elements (at most chunk_elements) on the GPU.
     /// @throws usage_error for an empty slot, a bad count, or after close() (the slot is then
     ///         still the caller's); cuda_error
@@ -211,6 +240,20 @@ public:
     /// @throws pipeline_error when the chunk failed and no fallback took it; what the fallback
     ///         throws (the chunk is then counted failed)
     [[nodiscard]] task<std::optional<result>> next() { return m_stream.next(); }
+
+    /// next() that gives up after `timeout` (from this call): the chunk it waited for is not
+    /// consumed (a later next() returns it, in order). Zero polls (a chunk complete now, else
+    /// the error). chunk_timeout still applies within it (level 1, as next()).
+    /// @throws usage_error for a negative timeout (at the call); timeout_error (after() ==
+    ///         timeout) once it passed; as next()
+    [[nodiscard]] task<std::optional<result>> next(std::chrono::nanoseconds timeout) {
+        return m_stream.next(deadline_after(timeout, "next"), timeout);
+    }
+    /// next() that gives up at `deadline`; one already passed polls.
+    /// @throws timeout_error (after(): the time left at the call); as next()
+    [[nodiscard]] task<std::optional<result>> next(std::chrono::steady_clock::time_point deadline) {
+        return m_stream.next(deadline, time_left(deadline));
+    }
 
     /// No more submissions; next() returns what is queued, then std::nullopt, which ends the
     /// streaming session.
@@ -252,6 +295,20 @@ public:
     }
 
 private:
+    // A negative timeout is a bug (an overflowed subtraction, say), not a poll.
+    static std::chrono::steady_clock::time_point deadline_after(std::chrono::nanoseconds timeout,
+                                                                const char* call) {
+        if (timeout.count() < 0) {
+            throw usage_error(std::string("pipeline::") + call + ": negative timeout");
+        }
+        return std::chrono::steady_clock::now() + timeout;
+    }
+    static std::chrono::nanoseconds time_left(std::chrono::steady_clock::time_point deadline) {
+        auto left = deadline - std::chrono::steady_clock::now();
+        return std::max(std::chrono::nanoseconds(0),
+                        std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+    }
+
     core m_core;
     detail::pipeline_batch<In, Out> m_batch;
     detail::pipeline_stream<In, Out> m_stream;

@@ -209,11 +209,14 @@ struct pipeline_options {
     double utilisation_fraction = 0.8;
     std::size_t alert_window = 8;
     std::function<void(const pipeline_alert&)> on_alert;
-    /// Batch runs: how long to wait for one chunk before degrading; 0: as long as it takes.
-    /// Streaming consumers (next()) wait as long as it takes.
+    /// How long to wait for one chunk before degrading (a batch's retire, streaming's next());
+    /// 0: as long as it takes.
     std::chrono::nanoseconds chunk_timeout{0};
     /// Level-1 retries per chunk before level 2.
     unsigned max_retries = 2;
+    /// After this many chunks completed cleanly on the GPU at a lowered depth, the depth goes
+    /// up by one (stats().recoveries counts it), until it is `depth` again; 0: it stays low.
+    unsigned recover_after = 16;
     std::function<void(const chunk_failure&)> on_degrade;
     /// Streaming: chunks submitted and not yet taken by next(); 0 means
     /// (2 copy streams + compute streams) x 2.
@@ -243,6 +246,7 @@ struct pipeline_stats {
     double overlap_efficiency = 0;  ///< the longest stage's time over wall time (1 = perfect)
     double link_peak_gbps = 0;      ///< measured once per device (with `timing`)
     unsigned depth = 0;             ///< slots in use now (lower after level-1 degradation)
+    std::size_t recoveries = 0;     ///< depth raised by one after recover_after clean chunks
     bool gpu_abandoned = false;
     std::size_t alerts = 0;
 };

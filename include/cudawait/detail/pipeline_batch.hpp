@@ -97,6 +97,7 @@ public:
                             co_await retire(b);
                         }
                         k.active_depth = std::max(1u, k.active_depth - 1);
+                        m_clean = 0;
                         k.report_degradation(f, degrade_level::retry,
                                              degrade_action::retried_with_less_depth, error);
                         continue;
@@ -223,6 +224,24 @@ private:
         m_core.chunk_done(f);
         b.state[f.chunk] = chunk_state::gpu;
         ++m_core.monitor.counters().gpu_chunks;
+        if (b.attempts[f.chunk] == 0) {
+            note_clean();
+        }
+    }
+
+    // A chunk completed on the GPU at its first try: recover_after of them in a row (since the
+    // depth last changed) raise the depth by one, up to the configured one.
+    void note_clean() {
+        core& k = m_core;
+        if (k.options.recover_after == 0 || k.active_depth >= k.options.depth) {
+            m_clean = 0;
+            return;
+        }
+        if (++m_clean >= k.options.recover_after) {
+            ++k.active_depth;
+            ++k.monitor.counters().recoveries;
+            m_clean = 0;
+        }
     }
 
     // The context is gone: nothing in flight can complete or write any more.
@@ -313,6 +332,7 @@ private:
         if (++b.attempts[f.chunk] <= k.options.max_retries) {
             ++stats.retries;
             k.active_depth = std::max(1u, k.active_depth - 1);
+            m_clean = 0;
             k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);
             co_return;
         }
@@ -334,6 +354,7 @@ private:
     }
 
     core& m_core;
+    unsigned m_clean = 0; // clean chunks since the depth last changed
 };
 
 } // namespace cudawait::detail

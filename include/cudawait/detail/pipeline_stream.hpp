@@ -5,17 +5,27 @@
 // consumer takes the outputs in submission order with next(). A session runs from the first
 // acquire() until next() returned the end after close() (the session rule in the pipeline
 // synopsis).
+//
+// Degradation as in a batch: an enqueue that fails with a retryable error is retried at once
+// (level 1, up to max_retries), and a chunk whose wait passes chunk_timeout is waited for again;
+// each lowers the depth. The depth here bounds the chunks the GPU works on at once, on the GPU
+// itself: a chunk's H2D (or graph replay) waits for the chunk `depth` submissions before it, so
+// a producer that holds several slots never blocks on a lowered depth. recover_after clean
+// chunks raise it again by one.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/pipeline_slots.hpp>
 #include <cudawait/detail/wait_list.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <deque>
 #include <optional>
@@ -117,8 +127,12 @@ public:
     /// chunks' events go back to the pool.
     ~pipeline_stream() = default;
 
-    /// See pipeline::acquire.
-    [[nodiscard]] task<input_slot> acquire() {
+    using clock = std::chrono::steady_clock;
+
+    /// See pipeline::acquire. With a deadline: timeout_error(budget) once it passed (a deadline
+    /// already passed polls: a slot free now, else the error), and no slot is taken.
+    [[nodiscard]] task<input_slot> acquire(std::optional<clock::time_point> deadline = {},
+                                           std::chrono::nanoseconds budget = {}) {
         core& k = m_core;
         scheduler& sched = *co_await this_scheduler_ptr();
         for (;;) {
@@ -134,7 +148,13 @@ public:
             if (!k.free_slots.empty() && m_submitted.size() < k.options.queue_capacity) {
                 break;
             }
-            co_await m_slot_freed.wait(sched);
+            if (!deadline) {
+                co_await m_slot_freed.wait(sched);
+            } else if (clock::now() >= *deadline) {
+                throw timeout_error(budget);
+            } else {
+                co_await m_slot_freed.wait_until(sched, *deadline);
+            }
         }
         std::size_t i = k.free_slots.front();
         k.free_slots.pop_front();
@@ -170,18 +190,44 @@ public:
         f.host_in = sl.host_in.data();
         f.host_out = sl.host_out.data();
         k.start_flight(f);
-        try {
-            k.enqueue(f, sl.host_in.data(), sl.host_out.data());
-        } catch (const cuda_error& e) {
-            // The chunk is still delivered in order: next() runs the fallback (or reports it).
-            f.error = chunk_error_of(e);
+        // After the GPU was given up nothing is enqueued: next() hands the chunk to the fallback.
+        for (unsigned attempt = 0; !k.gpu_abandoned; ++attempt) {
+            chunk_error error;
+            try {
+                throttle(sl);
+                k.enqueue(f, sl.host_in.data(), sl.host_out.data());
+                break;
+            } catch (const cuda_error& e) {
+                error = chunk_error_of(e);
+            }
+            if (error.sticky || attempt >= k.options.max_retries) {
+                // The chunk is still delivered in order: next() runs the fallback (or reports it).
+                f.error = std::move(error);
+                break;
+            }
+            // Level 1: retried at once with one slot fewer. What did launch before the error is
+            // ordered before the retry by the slot's events, as for any reuse of the slot.
+            ++k.monitor.counters().retries;
+            lower_depth();
+            try {
+                k.report_degradation(f, degrade_level::retry,
+                                     degrade_action::retried_with_less_depth, error);
+            } catch (...) {
+                f.error = std::move(error); // next() still reports the chunk, in order
+                m_submitted.push_back(std::move(f));
+                m_result_ready.notify_all();
+                throw;
+            }
         }
         m_submitted.push_back(std::move(f));
         m_result_ready.notify_all();
     }
 
-    /// See pipeline::next.
-    [[nodiscard]] task<std::optional<result>> next() {
+    /// See pipeline::next. With a deadline: timeout_error(budget) once it passed (a deadline
+    /// already passed polls: a chunk complete now, else the error), and the chunk stays first
+    /// in line for the next call.
+    [[nodiscard]] task<std::optional<result>> next(std::optional<clock::time_point> deadline = {},
+                                                   std::chrono::nanoseconds budget = {}) {
         core& k = m_core;
         pipeline_stats& stats = k.monitor.counters();
         scheduler& sched = *co_await this_scheduler_ptr();
@@ -191,7 +237,13 @@ public:
                 end_session();
                 co_return std::nullopt;
             }
-            co_await m_result_ready.wait(sched);
+            if (!deadline) {
+                co_await m_result_ready.wait(sched);
+            } else if (clock::now() >= *deadline) {
+                throw timeout_error(budget);
+            } else {
+                co_await m_result_ready.wait_until(sched, *deadline);
+            }
             if (m_sessions_ended != session) {
                 co_return std::nullopt; // another consumer took the end of this one's session
             }
@@ -202,19 +254,48 @@ public:
         chunk_error error = std::move(f.error);
         if (!error.failed() && !k.gpu_abandoned) {
             trace_async_range r("wait", f.chunk);
-            try {
-                co_await event_ref(f.done);
-            } catch (const cuda_error& e) {
-                error = chunk_error_of(e);
+            for (;;) {
+                wait_outcome w = co_await wait_for(f, deadline);
+                if (w.error.failed()) {
+                    error = std::move(w.error);
+                    break;
+                }
+                if (!w.timed_out) {
+                    break;
+                }
+                if (w.by_caller) {
+                    // Not consumed: the chunk stays first in line, its slot and event with it.
+                    m_submitted.push_front(std::move(f));
+                    throw timeout_error(budget);
+                }
+                error.timed_out = true;
+                error.exception = std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
+                error.what = "chunk did not complete within chunk_timeout";
+                if (++m_front_attempts > k.options.max_retries) {
+                    give_up_timed_out(f, error); // throws
+                }
+                // Level 1: the work cannot be cancelled; it is waited for again, with less
+                // concurrency for the chunks that follow.
+                ++stats.retries;
+                lower_depth();
+                k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);
+                error = {};
             }
+        } else if (error.timed_out) {
+            give_up_timed_out(f, error); // in flight behind a chunk given up: throws
         } else if (k.gpu_abandoned && !error.failed()) {
             error.what = "the GPU was abandoned after an earlier error";
         }
+        const bool clean = m_front_attempts == 0;
+        m_front_attempts = 0;
         slot& sl = *k.slots[f.slot];
         if (!error.failed()) {
             k.chunk_done(f);
             ++stats.gpu_chunks;
             ++stats.chunks;
+            if (clean) {
+                note_clean();
+            }
             co_return result(this, f.slot, f.chunk, f.output_count, false);
         }
         if (error.sticky) {
@@ -255,6 +336,96 @@ private:
     friend class pipeline_input_slot<In, Out>;
     friend class pipeline_result<In, Out>;
 
+    struct wait_outcome {
+        bool timed_out = false; ///< not complete (yet)
+        bool by_caller = false; ///< the caller's deadline passed, not chunk_timeout
+        chunk_error error;      ///< a CUDA error seen while waiting
+    };
+
+    // Waits for f's completion until the caller's deadline or chunk_timeout, whichever is first.
+    task<wait_outcome> wait_for(flight& f, std::optional<clock::time_point> deadline) {
+        const std::chrono::nanoseconds limit = m_core.options.chunk_timeout;
+        std::optional<clock::time_point> until = deadline;
+        bool by_caller = deadline.has_value();
+        if (limit.count() > 0 && (!deadline || clock::now() + limit < *deadline)) {
+            until = clock::now() + limit;
+            by_caller = false;
+        }
+        wait_outcome w;
+        try {
+            if (!until) {
+                co_await event_ref(f.done);
+            } else if (auto left = *until - clock::now(); left.count() > 0) {
+                co_await with_timeout(event_ref(f.done),
+                                      std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+            } else if (!event_ref(f.done).is_done()) {
+                w.timed_out = true; // a deadline already passed: a poll
+            }
+        } catch (const timeout_error&) {
+            w.timed_out = true;
+        } catch (const cuda_error& e) {
+            w.error = chunk_error_of(e);
+        }
+        w.by_caller = w.timed_out && by_caller;
+        co_return w;
+    }
+
+    // The GPU may still write f's slot (and the chunks' behind it): they are reported failed,
+    // their events and slots stay out of use, and the GPU is not used again (as in a batch).
+    [[noreturn]] void give_up_timed_out(flight& f, const chunk_error& error) {
+        core& k = m_core;
+        pipeline_stats& stats = k.monitor.counters();
+        k.gpu_abandoned = true;
+        m_front_attempts = 0;
+        for (flight& g : m_submitted) {
+            if (!g.error.failed()) {
+                g.error.timed_out = true;
+                g.error.what = "in flight behind chunk " + std::to_string(f.chunk) +
+                               ", which did not complete within chunk_timeout";
+            }
+        }
+        ++stats.chunks;
+        ++stats.failed_chunks;
+        flight lost = std::move(f);
+        k.abandoned_events.push_back(std::move(lost.done));
+        k.report_degradation(lost, degrade_level::give_up, degrade_action::failed_timed_out, error);
+        throw pipeline_error("pipeline: chunk " + std::to_string(lost.chunk) +
+                                 " failed: " + error.what,
+                             {}, {lost.chunk});
+    }
+
+    // With a lowered depth, the chunk on `sl` starts on the GPU only once the chunk `depth`
+    // submissions before it completed (a chunk already taken by next() has).
+    void throttle(slot& sl) {
+        core& k = m_core;
+        const std::size_t d = k.active_depth;
+        if (d >= k.options.depth || m_submitted.size() < d) {
+            return;
+        }
+        cudaEvent_t before = m_submitted[m_submitted.size() - d].done.get();
+        k.h2d.wait(before);
+        sl.graph_stream.wait(before);
+    }
+
+    void lower_depth() {
+        m_core.active_depth = std::max(1u, m_core.active_depth - 1);
+        m_clean = 0;
+    }
+
+    // A chunk completed on the GPU without a retry: recover_after of them raise the depth.
+    void note_clean() {
+        core& k = m_core;
+        if (k.options.recover_after == 0 || k.active_depth >= k.options.depth) {
+            m_clean = 0;
+            return;
+        }
+        if (++m_clean >= k.options.recover_after) {
+            ++k.active_depth;
+            ++k.monitor.counters().recoveries;
+            m_clean = 0;
+        }
+    }
+
     [[nodiscard]] slot& slot_of(std::size_t i) const { return *m_core.slots[i]; }
 
     void give_back(std::size_t i) {
@@ -280,7 +451,9 @@ private:
     wait_list m_result_ready;
     std::size_t m_stream_seq = 0;
     std::size_t m_sessions_ended = 0;
-    bool m_closed = false; // close() called, and next() has not returned the end yet
+    unsigned m_front_attempts = 0; // chunk_timeout retries of the chunk next() waits for
+    unsigned m_clean = 0;          // clean chunks since the depth was last changed
+    bool m_closed = false;         // close() called, and next() has not returned the end yet
 };
 
 } // namespace cudawait::detail

@@ -3,11 +3,13 @@
 
 // An asynchronous condition for coroutines on one scheduler: they wait until notified, then
 // check their condition again (the pipeline's streaming calls wait on it for a free slot and for
-// a submitted chunk).
+// a submitted chunk). wait_until() also gives up at a deadline, for the calls that take one.
 
 #include <cudawait/scheduler.hpp>
 
+#include <chrono>
 #include <coroutine>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -25,15 +27,71 @@ public:
         void await_resume() const noexcept {}
     };
     [[nodiscard]] awaiter wait(scheduler& s) noexcept { return {this, &s}; }
+
+    /// A waiter with a deadline: whichever comes first, a notify or the deadline, resumes it,
+    /// and the other then does nothing. Shared by the list, the timer and the awaiter.
+    struct timed_waiter {
+        std::coroutine_handle<> handle;
+        scheduler* sched = nullptr;
+        timer_node* timer = nullptr;
+        bool resumed = false;
+        bool notified = false;
+    };
+    /// co_await resumes on a notify (true) or at `deadline` (false). Loop thread only, like
+    /// the rest of the list; a deadline already passed returns false without suspending.
+    struct timed_awaiter {
+        wait_list* list;
+        scheduler* sched;
+        std::chrono::steady_clock::time_point deadline;
+        std::shared_ptr<timed_waiter> state = std::make_shared<timed_waiter>();
+        bool await_ready() const noexcept { return std::chrono::steady_clock::now() >= deadline; }
+        void await_suspend(std::coroutine_handle<> h) {
+            state->handle = h;
+            state->sched = sched;
+            list->m_timed.push_back(state);
+            std::weak_ptr<timed_waiter> weak = state;
+            state->timer = scheduler_access::add_timer(*sched, deadline, [weak] {
+                if (auto st = weak.lock(); st && !st->resumed) {
+                    st->resumed = true;
+                    st->timer = nullptr;
+                    scheduler_access::resume_soon(*st->sched, st->handle);
+                }
+            });
+        }
+        [[nodiscard]] bool await_resume() const noexcept { return state->notified; }
+        // A coroutine destroyed while it waits: neither its timer nor a notify may resume it.
+        ~timed_awaiter() {
+            if (state && state->sched != nullptr && !state->resumed) {
+                state->resumed = true;
+                scheduler_access::cancel_timer(*state->sched, std::exchange(state->timer, nullptr));
+            }
+        }
+    };
+    [[nodiscard]] timed_awaiter wait_until(scheduler& s,
+                                           std::chrono::steady_clock::time_point deadline) {
+        return {this, &s, deadline};
+    }
+
     void notify_all() {
         auto waiting = std::exchange(m_waiting, {});
         for (auto [h, s] : waiting) {
             s->post(h);
         }
+        // Timed waiters whose deadline passed are dropped here; the rest are resumed once.
+        auto timed = std::exchange(m_timed, {});
+        for (const auto& st : timed) {
+            if (!st->resumed) {
+                st->resumed = true;
+                st->notified = true;
+                scheduler_access::cancel_timer(*st->sched, std::exchange(st->timer, nullptr));
+                st->sched->post(st->handle);
+            }
+        }
     }
 
 private:
     std::vector<std::pair<std::coroutine_handle<>, scheduler*>> m_waiting;
+    std::vector<std::shared_ptr<timed_waiter>> m_timed;
 };
 
 } // namespace cudawait::detail
