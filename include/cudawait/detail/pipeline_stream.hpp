@@ -11,6 +11,7 @@
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/timeline.hpp>
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/pipeline_slots.hpp>
@@ -202,6 +203,7 @@ public:
         chunk_error error = std::move(f.error);
         if (!error.failed() && !k.gpu_abandoned) {
             trace_async_range r("wait", f.chunk);
+            timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
             try {
                 co_await event_ref(f.done);
             } catch (const cuda_error& e) {
@@ -233,6 +235,7 @@ public:
         }
         try {
             trace_range r("fallback", f.chunk);
+            timeline_scope span(k.options.timeline, "fallback", "fallback", f.chunk);
             k.on_gpu_failure(f.chunk, std::span<const In>(sl.host_in.data(), f.count),
                              sl.host_out.span().first(f.output_count));
         } catch (...) {
