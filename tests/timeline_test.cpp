@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -679,6 +680,48 @@ TEST_F(timeline_gpu, work_awaited_outside_a_pipeline_is_recorded_between_its_eve
     ASSERT_EQ(tracks.size(), 2u);
     EXPECT_TRUE(tracks[0].gpu) << "GPU tracks come first";
     EXPECT_EQ(tracks[0].name, "my stream");
+}
+
+TEST_F(timeline_gpu, the_demo_writes_a_trace_and_a_picture_of_its_overlapping_run) {
+    // Run by ctest after the pipeline example, in the directory it wrote to.
+    const char* dir = std::getenv("CUDAWAIT_DEMO_DIR");
+    if (dir == nullptr) {
+        GTEST_SKIP() << "CUDAWAIT_DEMO_DIR is not set (ctest's example.pipeline_trace sets it)";
+    }
+    auto slurp = [&](const char* name) {
+        std::ifstream f(std::filesystem::path(dir) / name, std::ios::binary);
+        EXPECT_TRUE(f.good()) << name << " was not written";
+        return std::string(std::istreambuf_iterator<char>(f), {});
+    };
+    parsed_trace pt = read_trace(slurp("pipeline_trace.json"));
+    // 1 GiB in 64 MiB chunks: 16 per stage, one lane per stream.
+    for (const char* track : {"h2d", "compute", "d2h"}) {
+        ASSERT_EQ(pt.tracks.count(track), 1u) << track;
+        EXPECT_EQ(pt.tracks[track].size(), 16u) << track;
+        EXPECT_EQ(pt.tracks.count(std::string(track) + " #2"), 0u) << track;
+    }
+    // Busy intervals of the copy tracks overlap, and the busiest track is busy most of the time.
+    double first = 1e300;
+    double last = -1e300;
+    double busiest = 0;
+    for (const char* track : {"h2d", "compute", "d2h"}) {
+        for (const auto& s : pt.tracks[track]) {
+            first = std::min(first, s.ts);
+            last = std::max(last, s.ts + s.dur);
+        }
+        busiest = std::max(busiest, busy_us(pt.tracks[track]));
+    }
+    EXPECT_GT(busiest / (last - first), 0.5);
+    bool overlapped = false;
+    for (const auto& a : pt.tracks["h2d"]) {
+        for (const auto& b : pt.tracks["d2h"]) {
+            overlapped = overlapped || (a.ts < b.ts + b.dur && b.ts < a.ts + a.dur);
+        }
+    }
+    EXPECT_TRUE(overlapped) << "no H2D ran while a D2H did";
+    const std::string svg = slurp("pipeline_timeline.svg");
+    EXPECT_NE(svg.find("</svg>"), std::string::npos);
+    EXPECT_EQ(count_of(svg, "class=\"span\""), pt.complete_events);
 }
 
 } // namespace
