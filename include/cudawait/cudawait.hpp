@@ -27,6 +27,7 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/sync_wait.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/timeline.hpp>
 #include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 #include <cudawait/version.hpp>

@@ -3,7 +3,7 @@
 
 // Synopsis
 //   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
-//                     streams, graph, timing, timeouts, callbacks, staging pool)
+//                     streams, graph, timing, timeouts, callbacks, staging pool, timeline)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
 //                     stays low (alert_kind says which; to_string names it)
@@ -32,6 +32,7 @@
 namespace cudawait {
 
 class pinned_pool; // pinned_pool.hpp
+class timeline;    // timeline.hpp
 
 /// Why pipeline_options::on_alert was called.
 enum class alert_kind {
@@ -223,6 +224,10 @@ struct pipeline_options {
     std::size_t queue_capacity = 0;
     /// Staging buffers come from here; nullptr: default_pinned_pool().
     pinned_pool* pool = nullptr;
+    /// Records what ran where into this timeline (timeline.hpp): each chunk's GPU stage spans
+    /// (which needs the timing events, so stats() then has stage times as with `timing`) and
+    /// its host spans. nullptr: nothing is recorded. It must outlive the pipeline.
+    cudawait::timeline* timeline = nullptr;
 };
 
 /// What the last run (or the stream so far) achieved. Stage times need `timing`.

@@ -10,6 +10,7 @@
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/timeline.hpp>
 #include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
@@ -165,6 +166,7 @@ private:
             return;
         }
         trace_range r("fallback", c);
+        timeline_scope span(m_core.options.timeline, "fallback", "fallback", c);
         m_core.on_gpu_failure(c, chunk_in(b, c), chunk_out(b, c));
         b.state[c] = chunk_state::fallback;
         ++stats.fallback_chunks;
@@ -203,6 +205,7 @@ private:
         }
         if (!b.pinned_in) {
             // The slot's previous chunk has retired (in flight <= depth), so its H2D is done.
+            timeline_scope span(k.options.timeline, "stage-in", "stage-in", c);
             stage_in(sl.host_in.data(), in.data(), in.size_bytes(), c);
             src = sl.host_in.data();
         }
@@ -218,6 +221,7 @@ private:
     // The oldest chunk in flight completed on the GPU: its output goes in place.
     void finish(batch& b, flight& f) {
         if (f.staged_out != nullptr) {
+            timeline_scope span(m_core.options.timeline, "stage-out", "stage-out", f.chunk);
             stage_out(f.staged_out, m_core.slots[f.slot]->host_out.data(),
                       f.output_count * sizeof(Out), f.chunk);
         }
@@ -302,6 +306,7 @@ private:
         {
             // Spans the await: a start/end range, which other coroutines' ranges cannot close.
             trace_async_range r("wait", f.chunk);
+            timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
             try {
                 if (k.options.chunk_timeout.count() > 0) {
                     co_await with_timeout(event_ref(f.done), k.options.chunk_timeout);

@@ -10,12 +10,14 @@
 #include <cudawait/event.hpp>
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/stream.hpp>
+#include <cudawait/timeline.hpp>
 
 #include <cudawait/detail/link_peak.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <optional>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -38,12 +40,17 @@ public:
         marks
     };
 
-    /// With `o.timing`, one set of timing events for each of `sets` chunks that can be in flight
-    /// at once, and the link's peak measured (once per device and process).
+    /// With `o.timing` (or a timeline, which needs the events), one set of timing events for
+    /// each of `sets` chunks that can be in flight at once, and the link's peak measured (once
+    /// per device and process); a timeline is anchored to the device's clock here, before any
+    /// chunk runs.
     /// @throws cuda_error
     pipeline_monitor(const pipeline_options& o, std::size_t sets) : m_options(&o) {
-        if (!o.timing) {
+        if (!o.timing && o.timeline == nullptr) {
             return;
+        }
+        if (o.timeline != nullptr) {
+            o.timeline->anchor(o.device);
         }
         for (std::size_t i = 0; i < sets; ++i) {
             std::vector<event> set;
@@ -137,6 +144,27 @@ public:
                 }
             }
         }
+    }
+
+    /// With a timeline attached, the GPU spans of chunk `chunk`, timed with `timing_set`, which
+    /// completed (its events are read, nothing waits): H2D, compute on `compute_track`, D2H; a
+    /// replayed graph as one span on `graph_track`.
+    /// @throws cuda_error
+    void trace_chunk(std::size_t timing_set, std::size_t chunk, bool graph_replay,
+                     std::string_view compute_track, std::string_view graph_track) {
+        timeline* tl = m_options->timeline;
+        if (tl == nullptr) {
+            return;
+        }
+        const std::vector<event>& t = m_timing[timing_set];
+        const int dev = m_options->device;
+        if (graph_replay) {
+            tl->record_gpu(dev, graph_track, "graph", t[h2d_start], t[d2h_end], chunk);
+            return;
+        }
+        tl->record_gpu(dev, "h2d", "h2d", t[h2d_start], t[h2d_end], chunk);
+        tl->record_gpu(dev, compute_track, "compute", t[compute_start], t[compute_end], chunk);
+        tl->record_gpu(dev, "d2h", "d2h", t[d2h_start], t[d2h_end], chunk);
     }
 
     /// The counters with the derived figures filled in.

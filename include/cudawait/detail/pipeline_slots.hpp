@@ -339,6 +339,27 @@ struct pipeline_core {
         monitor.chunk_done(f.count * sizeof(In), f.output_count * sizeof(Out),
                            f.timed ? std::optional<std::size_t>(f.timing_set) : std::nullopt,
                            options.graph && f.count == options.chunk_elements);
+        if (f.timed && options.timeline != nullptr) {
+            trace_chunk(f);
+        }
+    }
+
+    /// f's GPU spans go to the timeline: a track per stream ("compute <i>" with several compute
+    /// streams, "graph <slot>" for a slot's graph stream).
+    /// @throws cuda_error
+    void trace_chunk(const flight& f) {
+        const bool graph_replay = options.graph && f.count == options.chunk_elements;
+        std::string compute_track = "compute";
+        if (!graph_replay && compute.size() > 1 && !options.stage_streams) {
+            for (std::size_t i = 0; i < compute.size(); ++i) {
+                if (compute[i].get() == f.compute_stream) {
+                    compute_track += " " + std::to_string(i);
+                }
+            }
+        }
+        const std::string graph_track =
+            graph_replay ? "graph " + std::to_string(f.slot) : std::string();
+        monitor.trace_chunk(f.timing_set, f.chunk, graph_replay, compute_track, graph_track);
     }
 
     /// Tells on_degrade (default: stderr) what happened to `f` and what was done about it.

@@ -18,6 +18,7 @@
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
+#include <cudawait/timeline.hpp>
 #include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
@@ -254,6 +255,7 @@ public:
         chunk_error error = std::move(f.error);
         if (!error.failed() && !k.gpu_abandoned) {
             trace_async_range r("wait", f.chunk);
+            timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
             for (;;) {
                 wait_outcome w = co_await wait_for(f, deadline);
                 if (w.error.failed()) {
@@ -314,6 +316,7 @@ public:
         }
         try {
             trace_range r("fallback", f.chunk);
+            timeline_scope span(k.options.timeline, "fallback", "fallback", f.chunk);
             k.on_gpu_failure(f.chunk, std::span<const In>(sl.host_in.data(), f.count),
                              sl.host_out.span().first(f.output_count));
         } catch (...) {
