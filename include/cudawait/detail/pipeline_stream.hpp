@@ -9,6 +9,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/pipeline_report.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
 #include <cudawait/trace.hpp>
@@ -16,6 +17,7 @@
 #include <cudawait/detail/pipeline_slots.hpp>
 #include <cudawait/detail/wait_list.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <deque>
 #include <optional>
@@ -169,6 +171,7 @@ public:
         f.slot = i;
         f.host_in = sl.host_in.data();
         f.host_out = sl.host_out.data();
+        f.started = std::chrono::steady_clock::now();
         k.start_flight(f);
         try {
             k.enqueue(f, sl.host_in.data(), sl.host_out.data());
@@ -215,6 +218,7 @@ public:
             k.chunk_done(f);
             ++stats.gpu_chunks;
             ++stats.chunks;
+            record_latency(f);
             co_return result(this, f.slot, f.chunk, f.output_count, false);
         }
         if (error.sticky) {
@@ -226,6 +230,7 @@ public:
         ++stats.chunks;
         if (!k.on_gpu_failure) {
             ++stats.failed_chunks;
+            write_failure_report(k);
             give_back(f.slot);
             throw pipeline_error("pipeline: chunk " + std::to_string(f.chunk) +
                                      " failed: " + error.what,
@@ -237,10 +242,13 @@ public:
                              sl.host_out.span().first(f.output_count));
         } catch (...) {
             ++stats.failed_chunks;
+            write_failure_report(k);
             give_back(f.slot);
             throw;
         }
         ++stats.fallback_chunks;
+        record_latency(f);
+        write_failure_report(k);
         co_return result(this, f.slot, f.chunk, f.output_count, true);
     }
 
@@ -256,6 +264,12 @@ private:
     friend class pipeline_result<In, Out>;
 
     [[nodiscard]] slot& slot_of(std::size_t i) const { return *m_core.slots[i]; }
+
+    // Chunk f is delivered: its latency runs from its submission.
+    void record_latency(const flight& f) {
+        m_core.monitor.chunk_latency(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - f.started).count());
+    }
 
     void give_back(std::size_t i) {
         m_core.free_slots.push_back(i);
