@@ -2347,4 +2347,175 @@ TEST(pipeline_report, a_file_gets_the_same_report_and_a_bad_path_throws) {
                  std::runtime_error);
 }
 
+/// p50 <= p90 <= p99 <= max, all above zero, from `samples` chunks.
+void expect_ordered_latency(const cudawait::latency_summary& l, std::size_t samples) {
+    EXPECT_EQ(l.samples, samples);
+    EXPECT_GT(l.p50_seconds, 0);
+    EXPECT_LE(l.p50_seconds, l.p90_seconds);
+    EXPECT_LE(l.p90_seconds, l.p99_seconds);
+    EXPECT_LE(l.p99_seconds, l.max_seconds);
+    EXPECT_LT(l.max_seconds, 60) << "seconds, not another unit";
+}
+
+TEST_F(pipeline_gpu, a_batch_that_gives_a_chunk_to_the_fallback_writes_the_report) {
+    cudaError_t bad_launch = cudaSuccess;
+    {
+        cudawait::stream probe;
+        bad_launch = cudawait::testing::launch_bad_config(probe.get());
+    }
+    ASSERT_NE(bad_launch, cudaSuccess);
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8;
+    auto in = random_words(n, 31);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.max_retries = 0; // the first failure goes to the fallback (level 2)
+    o.report_path = fresh_path("batch_failure");
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o,
+             {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{3}),
+                          std::make_shared<int>(0))},
+             host_fallback);
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 7u);
+    EXPECT_EQ(st.fallback_chunks, 1u);
+    expect_ordered_latency(st.latency, 8); // the fallback's chunk counts too
+    EXPECT_LE(st.latency.max_seconds, st.wall_seconds);
+    ASSERT_EQ(p.failures().size(), 1u);
+    const cudawait::chunk_failure& f = p.failures()[0];
+    EXPECT_EQ(f.chunk, 3u);
+    EXPECT_EQ(f.level, cudawait::degrade_level::give_up);
+    EXPECT_EQ(f.action, cudawait::degrade_action::fallback);
+    EXPECT_EQ(f.error.status, bad_launch) << f.error.what;
+
+    ASSERT_TRUE(std::filesystem::exists(o.report_path)) << o.report_path;
+    const std::string r = read_file(o.report_path);
+    EXPECT_TRUE(json_check(r).valid()) << r;
+    for (std::string key : {std::string("\"status\":\"") + cudaGetErrorName(bad_launch) + "\"",
+                            "\"status_code\":" + std::to_string(static_cast<int>(bad_launch)),
+                            std::string("\"options\":{\"depth\":3,\"chunk_elements\":20000"),
+                            std::string("{\"chunk\":3,\"offset\":60000,\"elements\":20000"),
+                            std::string("\"level\":\"give_up\",\"action\":\"fallback\""),
+                            std::string("\"chunks\":8,\"gpu_chunks\":7,\"fallback_chunks\":1"),
+                            std::string("\"samples\":8")}) {
+        EXPECT_TRUE(contains(r, key)) << key << " in " << r;
+    }
+    EXPECT_FALSE(contains(r, "\"name\":null")) << "the device's name: " << r;
+    std::ostringstream direct;
+    p.write_report(direct);
+    EXPECT_EQ(direct.str(), r) << "the file holds what write_report(out) writes";
+    std::filesystem::remove(o.report_path);
+
+    // A clean run after it: no records, and no report.
+    std::vector<u32> out2(n, 0xdeadbeefu);
+    cudawait::sync_wait(sched, p.run(in, out2));
+    EXPECT_EQ(first_mismatch(out2, expected(in, chunk)), n);
+    EXPECT_TRUE(p.failures().empty());
+    EXPECT_FALSE(std::filesystem::exists(o.report_path)) << "written without a failure";
+}
+
+TEST_F(pipeline_gpu, a_batch_without_a_fallback_writes_the_report_before_throwing) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 5;
+    auto in = random_words(n, 32);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.max_retries = 1;
+    o.report_path = fresh_path("batch_error");
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    // Chunk 1 fails twice: a level-1 retry, then level 2 (reported failed).
+    pipe_t p(o, {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{1, 2}),
+                             std::make_shared<int>(0))});
+    std::vector<u32> out(n, 0);
+    cudawait::scheduler sched;
+    EXPECT_THROW(cudawait::sync_wait(sched, p.run(in, out)), pipeline_error);
+    ASSERT_EQ(p.failures().size(), 2u);
+    EXPECT_EQ(p.failures()[0].action, cudawait::degrade_action::retried_with_less_depth);
+    EXPECT_EQ(p.failures()[1].action, cudawait::degrade_action::failed);
+    ASSERT_TRUE(std::filesystem::exists(o.report_path));
+    const std::string r = read_file(o.report_path);
+    EXPECT_TRUE(json_check(r).valid()) << r;
+    EXPECT_TRUE(contains(r, "\"action\":\"retried_with_less_depth\"")) << r;
+    EXPECT_TRUE(contains(r, "\"level\":\"give_up\",\"action\":\"failed\"")) << r;
+    EXPECT_TRUE(contains(r, "\"failed_chunks\":1")) << r;
+    std::filesystem::remove(o.report_path);
+}
+
+TEST_F(pipeline_gpu, latency_percentiles_after_a_clean_batch_and_a_stream) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 16 + 123;
+    auto in = random_words(n, 33);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.report_path = fresh_path("clean");
+    pipe_t p(o, {transform_stage(100'000)}, host_fallback);
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 17u);
+    expect_ordered_latency(st.latency, 17);
+    EXPECT_GE(st.latency.max_seconds, 100e-6) << "each chunk's kernel spins 100 us";
+    EXPECT_LE(st.latency.max_seconds, st.wall_seconds);
+    EXPECT_TRUE(p.failures().empty());
+
+    // A streaming session starts the samples anew: its own 10 chunks.
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 10; ++i) {
+        chunks.push_back(random_words(chunk - i, 400 + i));
+    }
+    auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
+    ASSERT_EQ(seen.size(), 10u);
+    for (std::size_t i = 0; i < seen.size(); ++i) {
+        EXPECT_TRUE(seen[i].right) << "chunk " << i;
+    }
+    st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 10u);
+    expect_ordered_latency(st.latency, 10);
+    EXPECT_GE(st.latency.max_seconds, 100e-6);
+    EXPECT_FALSE(std::filesystem::exists(o.report_path)) << "written without a failure";
+}
+
+TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 6; ++i) {
+        chunks.push_back(random_words(chunk, 500 + i));
+    }
+    for (bool with_fallback : {true, false}) {
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.report_path = fresh_path(with_fallback ? "stream_fallback" : "stream_failed");
+        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        pipe_t p(o,
+                 {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{2}),
+                              std::make_shared<int>(0))},
+                 with_fallback ? pipe_t::fallback(host_fallback) : pipe_t::fallback{});
+        cudawait::scheduler sched;
+        auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
+        ASSERT_EQ(seen.size(), 6u);
+        EXPECT_EQ(seen[2].by_fallback, with_fallback);
+        ASSERT_EQ(p.failures().size(), 1u) << "kept after the session ended";
+        EXPECT_EQ(p.failures()[0].chunk, 2u);
+        // Produced chunks count: 5 by the GPU, and the fallback's.
+        expect_ordered_latency(p.stats().latency, with_fallback ? 6 : 5);
+        ASSERT_TRUE(std::filesystem::exists(o.report_path)) << o.report_path;
+        const std::string r = read_file(o.report_path);
+        EXPECT_TRUE(json_check(r).valid()) << r;
+        EXPECT_TRUE(contains(r, "{\"chunk\":2,")) << r;
+        EXPECT_TRUE(
+            contains(r, with_fallback ? "\"action\":\"fallback\"" : "\"action\":\"failed\""))
+            << r;
+        std::filesystem::remove(o.report_path);
+    }
+}
+
 } // namespace
