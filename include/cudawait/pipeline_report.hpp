@@ -17,6 +17,7 @@
 //    "device":  {"id", "name" (null, with "error", when the runtime cannot tell)}}
 // pipeline_options::report_path makes the pipeline write it on failure (pipeline.hpp).
 
+#include <cudawait/error.hpp> // first: the C++20 check (detail/config.hpp)
 #include <cudawait/pipeline_options.hpp>
 
 #include <cudawait/detail/json.hpp>
