@@ -2428,3 +2428,535 @@ TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streami
 }
 
 } // namespace
+
+// ---- latency percentiles and the post-mortem report -----------------------------------------
+
+#include <cudawait/pipeline_report.hpp>
+
+#include <cudawait/detail/latency.hpp>
+#include <cudawait/detail/pipeline_monitor.hpp>
+
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace {
+
+using cudawait::detail::latency_window;
+using cudawait::detail::nearest_rank;
+
+/// A strict JSON checker for the reports (RFC 8259 grammar; strings, numbers, literals,
+/// nesting): true when all of `s` is one JSON value.
+class json_check {
+public:
+    explicit json_check(std::string_view s) : m_s(s) {}
+    bool valid() {
+        bool ok = value();
+        space();
+        return ok && m_i == m_s.size();
+    }
+
+private:
+    void space() {
+        while (m_i < m_s.size() && std::isspace(static_cast<unsigned char>(m_s[m_i])) != 0) {
+            ++m_i;
+        }
+    }
+    bool eat(char c) {
+        space();
+        if (m_i < m_s.size() && m_s[m_i] == c) {
+            ++m_i;
+            return true;
+        }
+        return false;
+    }
+    bool literal(std::string_view w) {
+        if (m_s.substr(m_i, w.size()) != w) {
+            return false;
+        }
+        m_i += w.size();
+        return true;
+    }
+    bool string() {
+        if (!eat('"')) {
+            return false;
+        }
+        while (m_i < m_s.size()) {
+            char c = m_s[m_i++];
+            if (c == '"') {
+                return true;
+            }
+            if (static_cast<unsigned char>(c) < 0x20) {
+                return false;
+            }
+            if (c == '\\') {
+                if (m_i >= m_s.size() ||
+                    std::string_view("\"\\/bfnrtu").find(m_s[m_i]) == std::string_view::npos) {
+                    return false;
+                }
+                m_i += m_s[m_i] == 'u' ? 5 : 1;
+            }
+        }
+        return false;
+    }
+    bool number() {
+        std::size_t start = m_i;
+        if (m_i < m_s.size() && m_s[m_i] == '-') {
+            ++m_i;
+        }
+        std::size_t digits = m_i;
+        while (m_i < m_s.size() &&
+               (std::isdigit(static_cast<unsigned char>(m_s[m_i])) != 0 ||
+                std::string_view(".eE+-").find(m_s[m_i]) != std::string_view::npos)) {
+            ++m_i;
+        }
+        if (m_i == digits || std::isdigit(static_cast<unsigned char>(m_s[digits])) == 0) {
+            return false;
+        }
+        // The whole token must be a number strtod takes completely.
+        std::string tok(m_s.substr(start, m_i - start));
+        char* end = nullptr;
+        (void)std::strtod(tok.c_str(), &end);
+        return end == tok.c_str() + tok.size();
+    }
+    bool value() {
+        space();
+        if (m_i >= m_s.size()) {
+            return false;
+        }
+        switch (m_s[m_i]) {
+        case '{':
+            ++m_i;
+            if (eat('}')) {
+                return true;
+            }
+            do {
+                if (!string() || !eat(':') || !value()) {
+                    return false;
+                }
+            } while (eat(','));
+            return eat('}');
+        case '[':
+            ++m_i;
+            if (eat(']')) {
+                return true;
+            }
+            do {
+                if (!value()) {
+                    return false;
+                }
+            } while (eat(','));
+            return eat(']');
+        case '"':
+            return string();
+        case 't':
+            return literal("true");
+        case 'f':
+            return literal("false");
+        case 'n':
+            return literal("null");
+        default:
+            return number();
+        }
+    }
+    std::string_view m_s;
+    std::size_t m_i = 0;
+};
+
+bool contains(const std::string& s, std::string_view what) {
+    return s.find(what) != std::string::npos;
+}
+
+std::string read_file(const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+/// A path in the test's temporary directory that does not exist yet.
+std::string fresh_path(const std::string& name) {
+    std::string p = ::testing::TempDir() + "cudawait_" + name + "_" +
+                    std::to_string(static_cast<unsigned long>(::getpid())) + ".json";
+    std::filesystem::remove(p);
+    return p;
+}
+
+TEST(json_check, accepts_json_and_rejects_broken_text) {
+    EXPECT_TRUE(json_check(R"({"a":[1,-2.5e3,true,null,"x\"\u0001"],"b":{}})").valid());
+    EXPECT_FALSE(json_check(R"({"a":1,})").valid());
+    EXPECT_FALSE(json_check(R"({"a":[1,2})").valid());
+    EXPECT_FALSE(json_check(R"({"a":0x12})").valid());
+    EXPECT_FALSE(json_check(R"({"a":1}})").valid());
+}
+
+TEST(pipeline_latency, nearest_rank_picks_the_sample_at_the_rounded_up_rank) {
+    // The textbook example: ranks ceil(p / 100 * 5).
+    std::vector<double> v{35, 20, 50, 15, 40};
+    EXPECT_EQ(nearest_rank(v, 5), 15);
+    EXPECT_EQ(nearest_rank(v, 30), 20);
+    EXPECT_EQ(nearest_rank(v, 40), 20);
+    EXPECT_EQ(nearest_rank(v, 50), 35);
+    EXPECT_EQ(nearest_rank(v, 100), 50);
+    // 1..100 shuffled: percentile p is p itself (29 * 100 / 100 would round wrongly in doubles).
+    std::vector<double> h(100);
+    for (std::size_t i = 0; i < h.size(); ++i) {
+        h[i] = static_cast<double>(i + 1);
+    }
+    std::shuffle(h.begin(), h.end(), std::mt19937_64(7));
+    for (unsigned p : {1u, 29u, 50u, 57u, 90u, 99u, 100u}) {
+        EXPECT_EQ(nearest_rank(h, p), static_cast<double>(p)) << "p" << p;
+    }
+    // 1..10: p99 is the maximum, p90 the ninth.
+    std::vector<double> ten{7, 3, 10, 1, 9, 2, 8, 4, 6, 5};
+    EXPECT_EQ(nearest_rank(ten, 50), 5);
+    EXPECT_EQ(nearest_rank(ten, 90), 9);
+    EXPECT_EQ(nearest_rank(ten, 99), 10);
+    std::vector<double> one{0.25};
+    EXPECT_EQ(nearest_rank(one, 1), 0.25);
+    EXPECT_EQ(nearest_rank(one, 99), 0.25);
+    std::vector<double> none;
+    EXPECT_THROW((void)nearest_rank(none, 50), std::invalid_argument);
+    EXPECT_THROW((void)nearest_rank(ten, 0), std::invalid_argument);
+    EXPECT_THROW((void)nearest_rank(ten, 101), std::invalid_argument);
+}
+
+TEST(pipeline_latency, the_window_keeps_the_last_samples_and_the_maximum_of_all) {
+    latency_window w(4);
+    w.clear();
+    EXPECT_EQ(w.summary().samples, 0u);
+    EXPECT_EQ(w.summary().max_seconds, 0);
+    for (double s : {9.0, 1.0, 2.0, 3.0, 4.0, 5.0}) {
+        w.add(s);
+    }
+    // The window holds 2, 3, 4, 5 (9 and 1 were replaced); the maximum is of all six.
+    auto s = w.summary();
+    EXPECT_EQ(s.samples, 4u);
+    EXPECT_EQ(s.p50_seconds, 3);
+    EXPECT_EQ(s.p90_seconds, 5);
+    EXPECT_EQ(s.p99_seconds, 5);
+    EXPECT_EQ(s.max_seconds, 9);
+    w.clear();
+    EXPECT_EQ(w.size(), 0u);
+    w.add(0.5);
+    s = w.summary();
+    EXPECT_EQ(s.samples, 1u);
+    EXPECT_EQ(s.p50_seconds, 0.5);
+    EXPECT_EQ(s.max_seconds, 0.5);
+}
+
+TEST(pipeline_latency, the_monitor_reports_percentiles_and_keeps_the_last_failures) {
+    pipeline_options o; // no timing: the monitor makes no CUDA call
+    o.chunk_elements = 16;
+    cudawait::detail::pipeline_monitor m(o, 2);
+    m.reset();
+    std::vector<double> lat;
+    for (u32 x : random_words(1000, 3)) {
+        lat.push_back(static_cast<double>(x % 100'000) * 1e-6 + 1e-6);
+    }
+    for (double s : lat) {
+        m.chunk_latency(s);
+    }
+    auto st = m.stats(2, false);
+    std::vector<double> sorted = lat;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(st.latency.samples, 1000u);
+    EXPECT_EQ(st.latency.p50_seconds, sorted[499]);
+    EXPECT_EQ(st.latency.p90_seconds, sorted[899]);
+    EXPECT_EQ(st.latency.p99_seconds, sorted[989]);
+    EXPECT_EQ(st.latency.max_seconds, sorted.back());
+    for (std::size_t i = 0; i < 300; ++i) {
+        cudawait::chunk_failure f;
+        f.chunk = i;
+        f.level = i % 3 == 0 ? cudawait::degrade_level::give_up : cudawait::degrade_level::retry;
+        m.record_failure(f);
+    }
+    auto kept = m.failures();
+    ASSERT_EQ(kept.size(), cudawait::detail::pipeline_monitor::max_failures);
+    EXPECT_EQ(kept.front().chunk, 300 - kept.size()) << "the oldest are dropped";
+    EXPECT_EQ(kept.back().chunk, 299u);
+    EXPECT_EQ(m.give_ups(), 100u) << "counted also when no longer kept";
+    m.reset();
+    EXPECT_TRUE(m.failures().empty());
+    EXPECT_EQ(m.give_ups(), 0u);
+    EXPECT_EQ(m.stats(2, false).latency.samples, 0u);
+}
+
+TEST(pipeline_report, an_empty_report_is_json_with_every_section) {
+    std::ostringstream os;
+    cudawait::write_report(os, pipeline_options{}, cudawait::pipeline_stats{}, {});
+    const std::string s = os.str();
+    EXPECT_TRUE(json_check(s).valid()) << s;
+    for (std::string_view key :
+         {"\"options\":{",
+          "\"stats\":{",
+          "\"failures\":[]",
+          "\"device\":{\"id\":0",
+          "\"depth\":2",
+          "\"chunk_elements\":0",
+          "\"output_elements\":0",
+          "\"compute_streams\":1",
+          "\"compute_priority\":null",
+          "\"transfer_priority\":null",
+          "\"graph\":false",
+          "\"timing\":false",
+          "\"stage_streams\":false",
+          "\"scratch_bytes\":0",
+          "\"chunk_timeout_ns\":0",
+          "\"max_retries\":2",
+          "\"queue_capacity\":0",
+          "\"pool\":null",
+          "\"report_path\":\"\"",
+          "\"gpu_chunks\":0",
+          "\"wall_seconds\":0",
+          "\"overlap_efficiency\":0",
+          "\"gpu_abandoned\":false",
+          "\"alerts\":0",
+          "\"latency\":{\"p50_seconds\":0,\"p90_seconds\":0,\"p99_seconds\":0,"
+          "\"max_seconds\":0,\"samples\":0}",
+          "\"name\":"}) {
+        EXPECT_TRUE(contains(s, key)) << key << " in " << s;
+    }
+}
+
+TEST(pipeline_report, a_failure_is_written_with_every_field) {
+    pipeline_options o;
+    o.depth = 3;
+    o.chunk_elements = 1000;
+    o.compute_priority = -2;
+    o.chunk_timeout = 250ms;
+    o.report_path = "/tmp/a \"quoted\" path";
+    cudawait::pipeline_stats st;
+    st.chunks = 8;
+    st.latency = {0.001, 0.002, 0.003, 0.004, 8};
+    cudawait::chunk_failure f;
+    f.chunk = 3;
+    f.offset = 3000;
+    f.elements = 1000;
+    f.output_elements = 500;
+    f.input_bytes = 4000;
+    f.output_bytes = 2000;
+    f.depth = 2;
+    f.compute_streams = 1;
+    f.graph = true;
+    f.h2d_stream = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x1234});
+    f.host_in = reinterpret_cast<const void*>(std::uintptr_t{0xabcdef0});
+    f.level = cudawait::degrade_level::give_up;
+    f.action = cudawait::degrade_action::fallback;
+    f.error.status = cudaErrorInvalidValue;
+    f.error.what = "bad \"launch\"\n";
+    std::vector<cudawait::chunk_failure> fs{f, f};
+    fs[1].error = {};
+    fs[1].error.timed_out = true;
+    fs[1].error.exception = std::make_exception_ptr(std::runtime_error("late"));
+    std::ostringstream os;
+    cudawait::write_report(os, o, st, fs);
+    const std::string s = os.str();
+    EXPECT_TRUE(json_check(s).valid()) << s;
+    for (std::string_view key :
+         {"\"depth\":3", "\"chunk_elements\":1000", "\"compute_priority\":-2",
+          "\"chunk_timeout_ns\":250000000", R"("report_path":"/tmp/a \"quoted\" path")",
+          "\"chunks\":8", "\"p99_seconds\":0.0030000000000000001", "\"samples\":8",
+          "{\"chunk\":3,\"offset\":3000,\"elements\":1000,\"output_elements\":500,"
+          "\"input_bytes\":4000,\"output_bytes\":2000,\"depth\":2,\"compute_streams\":1,"
+          "\"device\":0,\"graph\":true,\"h2d_stream\":\"0x1234\",\"compute_stream\":\"0x0\","
+          "\"d2h_stream\":\"0x0\",\"host_in\":\"0xabcdef0\",\"host_out\":\"0x0\","
+          "\"device_in\":\"0x0\",\"device_out\":\"0x0\",\"level\":\"give_up\","
+          "\"action\":\"fallback\",\"error\":{\"status\":\"cudaErrorInvalidValue\","
+          "\"status_code\":1,\"sticky\":false,\"timed_out\":false,\"exception\":false,"
+          R"("what":"bad \"launch\"\n"}})",
+          "\"error\":{\"status\":\"cudaSuccess\",\"status_code\":0,\"sticky\":false,"
+          "\"timed_out\":true,\"exception\":true,\"what\":\"\"}"}) {
+        EXPECT_TRUE(contains(s, key)) << key << " in " << s;
+    }
+}
+
+TEST(pipeline_report, a_file_gets_the_same_report_and_a_bad_path_throws) {
+    pipeline_options o;
+    o.chunk_elements = 7;
+    std::vector<cudawait::chunk_failure> fs(1);
+    std::ostringstream os;
+    cudawait::write_report(os, o, {}, fs);
+    const std::string path = fresh_path("report_file");
+    cudawait::write_report(path, o, {}, fs);
+    EXPECT_EQ(read_file(path), os.str());
+    std::filesystem::remove(path);
+    EXPECT_THROW(cudawait::write_report(::testing::TempDir() + "no/such/dir/r.json", o, {}, fs),
+                 std::runtime_error);
+}
+
+/// p50 <= p90 <= p99 <= max, all above zero, from `samples` chunks.
+void expect_ordered_latency(const cudawait::latency_summary& l, std::size_t samples) {
+    EXPECT_EQ(l.samples, samples);
+    EXPECT_GT(l.p50_seconds, 0);
+    EXPECT_LE(l.p50_seconds, l.p90_seconds);
+    EXPECT_LE(l.p90_seconds, l.p99_seconds);
+    EXPECT_LE(l.p99_seconds, l.max_seconds);
+    EXPECT_LT(l.max_seconds, 60) << "seconds, not another unit";
+}
+
+TEST_F(pipeline_gpu, a_batch_that_gives_a_chunk_to_the_fallback_writes_the_report) {
+    cudaError_t bad_launch = cudaSuccess;
+    {
+        cudawait::stream probe;
+        bad_launch = cudawait::testing::launch_bad_config(probe.get());
+    }
+    ASSERT_NE(bad_launch, cudaSuccess);
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 8;
+    auto in = random_words(n, 31);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.max_retries = 0; // the first failure goes to the fallback (level 2)
+    o.report_path = fresh_path("batch_failure");
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o,
+             {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{3}),
+                          std::make_shared<int>(0))},
+             host_fallback);
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 7u);
+    EXPECT_EQ(st.fallback_chunks, 1u);
+    expect_ordered_latency(st.latency, 8); // the fallback's chunk counts too
+    EXPECT_LE(st.latency.max_seconds, st.wall_seconds);
+    ASSERT_EQ(p.failures().size(), 1u);
+    const cudawait::chunk_failure& f = p.failures()[0];
+    EXPECT_EQ(f.chunk, 3u);
+    EXPECT_EQ(f.level, cudawait::degrade_level::give_up);
+    EXPECT_EQ(f.action, cudawait::degrade_action::fallback);
+    EXPECT_EQ(f.error.status, bad_launch) << f.error.what;
+
+    ASSERT_TRUE(std::filesystem::exists(o.report_path)) << o.report_path;
+    const std::string r = read_file(o.report_path);
+    EXPECT_TRUE(json_check(r).valid()) << r;
+    for (std::string key : {std::string("\"status\":\"") + cudaGetErrorName(bad_launch) + "\"",
+                            "\"status_code\":" + std::to_string(static_cast<int>(bad_launch)),
+                            std::string("\"options\":{\"depth\":3,\"chunk_elements\":20000"),
+                            std::string("{\"chunk\":3,\"offset\":60000,\"elements\":20000"),
+                            std::string("\"level\":\"give_up\",\"action\":\"fallback\""),
+                            std::string("\"chunks\":8,\"gpu_chunks\":7,\"fallback_chunks\":1"),
+                            std::string("\"samples\":8")}) {
+        EXPECT_TRUE(contains(r, key)) << key << " in " << r;
+    }
+    EXPECT_FALSE(contains(r, "\"name\":null")) << "the device's name: " << r;
+    std::ostringstream direct;
+    p.write_report(direct);
+    EXPECT_EQ(direct.str(), r) << "the file holds what write_report(out) writes";
+    std::filesystem::remove(o.report_path);
+
+    // A clean run after it: no records, and no report.
+    std::vector<u32> out2(n, 0xdeadbeefu);
+    cudawait::sync_wait(sched, p.run(in, out2));
+    EXPECT_EQ(first_mismatch(out2, expected(in, chunk)), n);
+    EXPECT_TRUE(p.failures().empty());
+    EXPECT_FALSE(std::filesystem::exists(o.report_path)) << "written without a failure";
+}
+
+TEST_F(pipeline_gpu, a_batch_without_a_fallback_writes_the_report_before_throwing) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 5;
+    auto in = random_words(n, 32);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.max_retries = 1;
+    o.report_path = fresh_path("batch_error");
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    // Chunk 1 fails twice: a level-1 retry, then level 2 (reported failed).
+    pipe_t p(o, {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{1, 2}),
+                             std::make_shared<int>(0))});
+    std::vector<u32> out(n, 0);
+    cudawait::scheduler sched;
+    EXPECT_THROW(cudawait::sync_wait(sched, p.run(in, out)), pipeline_error);
+    ASSERT_EQ(p.failures().size(), 2u);
+    EXPECT_EQ(p.failures()[0].action, cudawait::degrade_action::retried_with_less_depth);
+    EXPECT_EQ(p.failures()[1].action, cudawait::degrade_action::failed);
+    ASSERT_TRUE(std::filesystem::exists(o.report_path));
+    const std::string r = read_file(o.report_path);
+    EXPECT_TRUE(json_check(r).valid()) << r;
+    EXPECT_TRUE(contains(r, "\"action\":\"retried_with_less_depth\"")) << r;
+    EXPECT_TRUE(contains(r, "\"level\":\"give_up\",\"action\":\"failed\"")) << r;
+    EXPECT_TRUE(contains(r, "\"failed_chunks\":1")) << r;
+    std::filesystem::remove(o.report_path);
+}
+
+TEST_F(pipeline_gpu, latency_percentiles_after_a_clean_batch_and_a_stream) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 16 + 123;
+    auto in = random_words(n, 33);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.report_path = fresh_path("clean");
+    pipe_t p(o, {transform_stage(100'000)}, host_fallback);
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 17u);
+    expect_ordered_latency(st.latency, 17);
+    EXPECT_GE(st.latency.max_seconds, 100e-6) << "each chunk's kernel spins 100 us";
+    EXPECT_LE(st.latency.max_seconds, st.wall_seconds);
+    EXPECT_TRUE(p.failures().empty());
+
+    // A streaming session starts the samples anew: its own 10 chunks.
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 10; ++i) {
+        chunks.push_back(random_words(chunk - i, 400 + i));
+    }
+    auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
+    ASSERT_EQ(seen.size(), 10u);
+    for (std::size_t i = 0; i < seen.size(); ++i) {
+        EXPECT_TRUE(seen[i].right) << "chunk " << i;
+    }
+    st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 10u);
+    expect_ordered_latency(st.latency, 10);
+    EXPECT_GE(st.latency.max_seconds, 100e-6);
+    EXPECT_FALSE(std::filesystem::exists(o.report_path)) << "written without a failure";
+}
+
+TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 6; ++i) {
+        chunks.push_back(random_words(chunk, 500 + i));
+    }
+    for (bool with_fallback : {true, false}) {
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.report_path = fresh_path(with_fallback ? "stream_fallback" : "stream_failed");
+        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        pipe_t p(o,
+                 {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{2}),
+                              std::make_shared<int>(0))},
+                 with_fallback ? pipe_t::fallback(host_fallback) : pipe_t::fallback{});
+        cudawait::scheduler sched;
+        auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
+        ASSERT_EQ(seen.size(), 6u);
+        EXPECT_EQ(seen[2].by_fallback, with_fallback);
+        ASSERT_EQ(p.failures().size(), 1u) << "kept after the session ended";
+        EXPECT_EQ(p.failures()[0].chunk, 2u);
+        // Produced chunks count: 5 by the GPU, and the fallback's.
+        expect_ordered_latency(p.stats().latency, with_fallback ? 6 : 5);
+        ASSERT_TRUE(std::filesystem::exists(o.report_path)) << o.report_path;
+        const std::string r = read_file(o.report_path);
+        EXPECT_TRUE(json_check(r).valid()) << r;
+        EXPECT_TRUE(contains(r, "{\"chunk\":2,")) << r;
+        EXPECT_TRUE(
+            contains(r, with_fallback ? "\"action\":\"fallback\"" : "\"action\":\"failed\""))
+            << r;
+        std::filesystem::remove(o.report_path);
+    }
+}
+
+} // namespace

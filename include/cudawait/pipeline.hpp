@@ -18,6 +18,9 @@
 //               pipe.close();                             // next() drains, then ends
 //               co_await pipe.acquire(50ms); co_await pipe.next(deadline);  // timeout_error
 //                                        // when it passes; nothing is taken or lost then
+//   Afterwards: pipe.stats() (latency percentiles among them), pipe.failures() (the run's
+//               degradation records), pipe.write_report(path) (pipeline_report.hpp: all of it,
+//               with the options and the device, as JSON; options.report_path: on failure)
 //
 // Stages are chained: stage 0 reads the chunk's device input, each later stage reads the
 // previous stage's output, and the last writes the chunk's device output, which goes D2H. With
@@ -100,7 +103,15 @@
 // Each step is reported to `on_degrade` (default: one line on stderr) as a chunk_failure: the
 // degrade_level (retry, give_up) and degrade_action, the typed chunk_error (CUDA status, sticky,
 // timed out), and what a post-mortem needs: the chunk, the configuration, the streams and the
-// chunk's host and device pointers.
+// chunk's host and device pointers. The run (or session) keeps the last 256 records
+// (failures()); write_report() dumps them with the options, stats and device as JSON, and with
+// options.report_path set a failed batch (a level-2 step, or pipeline_error) writes it there
+// when it ends, and a streaming session after each level-2 step.
+//
+// Latency: stats().latency gives per-chunk p50, p90, p99 (nearest rank, over the last 65536
+// chunks) and the maximum: in a batch from a chunk's first enqueue attempt to its output in
+// place, in streaming from submit() to next() delivering it (latency_summary). The samples go
+// into a window reserved when the run begins: recording a chunk allocates nothing.
 //
 // How a chunk flows (batch), file by file:
 //   1. pipeline.hpp                  run() checks the ranges and classifies their memory
@@ -123,6 +134,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/pipeline_report.hpp>
 #include <cudawait/pipeline_stage.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
@@ -136,6 +148,7 @@
 #include <chrono>
 #include <cstddef>
 #include <optional>
+#include <ostream>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -262,6 +275,24 @@ public:
     /// What the last batch run (or the streaming session so far) achieved.
     [[nodiscard]] pipeline_stats stats() const {
         return m_core.monitor.stats(m_core.active_depth, m_core.gpu_abandoned);
+    }
+
+    /// The degradation records of the last batch run (or the streaming session so far), oldest
+    /// first: the last 256 of them. Valid until the next degradation or run.
+    [[nodiscard]] std::span<const chunk_failure> failures() const noexcept {
+        return m_core.monitor.failures();
+    }
+
+    /// Writes the post-mortem report (options, stats, failures(), device) as JSON; see
+    /// pipeline_report.hpp.
+    /// @throws what writing to `out` throws
+    void write_report(std::ostream& out) const {
+        cudawait::write_report(out, options(), stats(), failures());
+    }
+    /// Writes the report into the file `path` (replacing it).
+    /// @throws std::runtime_error when the file cannot be opened or written
+    void write_report(const std::string& path) const {
+        cudawait::write_report(path, options(), stats(), failures());
     }
 
     /// A chunk size (input elements) from the last run's measurements (needs `timing`):

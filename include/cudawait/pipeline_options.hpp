@@ -5,6 +5,7 @@
 //   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
 //                     streams, graph, timing, timeouts, callbacks, staging pool, timeline)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
+//   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
 //                     stays low (alert_kind says which; to_string names it)
 //   chunk_failure     passed to on_degrade for each degradation step: the chunk, the
@@ -228,6 +229,24 @@ struct pipeline_options {
     /// (which needs the timing events, so stats() then has stage times as with `timing`) and
     /// its host spans. nullptr: nothing is recorded. It must outlive the pipeline.
     cudawait::timeline* timeline = nullptr;
+    /// Where a post-mortem report (pipeline_report.hpp) is written when a batch ends with a
+    /// level-2 degradation or throws pipeline_error, and after each level-2 degradation in a
+    /// streaming session (the file is rewritten, so it holds the session's records so far).
+    /// Best effort: a write failure is reported on stderr, never thrown. Empty: no report.
+    std::string report_path;
+};
+
+/// Per-chunk latency: in a batch from the chunk's first enqueue attempt to its output in place,
+/// in streaming from submit() to next() delivering it; chunks produced by the GPU or by the
+/// fallback count, failed ones do not. Percentiles are nearest-rank (the smallest sample with
+/// at least p% of the samples at or below it) over the last `samples` chunks (at most 65536);
+/// `max_seconds` is over every chunk of the run. All zero when no chunk was produced.
+struct latency_summary {
+    double p50_seconds = 0;
+    double p90_seconds = 0;
+    double p99_seconds = 0;
+    double max_seconds = 0;
+    std::size_t samples = 0; ///< chunks the percentiles are drawn from
 };
 
 /// What the last run (or the stream so far) achieved. Stage times need `timing`.
@@ -254,6 +273,7 @@ struct pipeline_stats {
     std::size_t recoveries = 0;     ///< depth raised by one after recover_after clean chunks
     bool gpu_abandoned = false;
     std::size_t alerts = 0;
+    latency_summary latency; ///< per-chunk latency (does not need `timing`)
 };
 
 /// A batch did not complete on the GPU and no fallback took over.

@@ -8,6 +8,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/pipeline_report.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
 #include <cudawait/timeline.hpp>
@@ -62,6 +63,7 @@ public:
         std::size_t n = (in.size() + k.options.chunk_elements - 1) / k.options.chunk_elements;
         b.state.assign(n, chunk_state::pending);
         b.attempts.assign(n, 0);
+        b.taken.assign(n, {});
         k.monitor.reset();
         pipeline_stats& stats = k.monitor.counters();
         auto t0 = std::chrono::steady_clock::now();
@@ -70,6 +72,7 @@ public:
         try {
             while (next < n || !b.inflight.empty()) {
                 if (next < n && k.gpu_abandoned) {
+                    note_first_try(b, next);
                     run_fallback(b, next++);
                     continue;
                 }
@@ -79,6 +82,7 @@ public:
                     flight f; // describes the chunk also when starting it fails
                     chunk_error error;
                     try {
+                        note_first_try(b, next);
                         start_chunk(b, next, f);
                         ++next;
                         continue;
@@ -117,11 +121,17 @@ public:
         }
         if (failure) {
             co_await drain(b); // not in the handler: a handler cannot co_await
+            if (k.monitor.give_ups() != 0) {
+                write_failure_report(k);
+            }
             std::rethrow_exception(failure);
         }
         auto t1 = std::chrono::steady_clock::now();
         stats.chunks = n;
         stats.wall_seconds = std::chrono::duration<double>(t1 - t0).count();
+        if (k.monitor.give_ups() != 0) {
+            write_failure_report(k); // a level-2 step: before pipeline_error, if one follows
+        }
         if (stats.failed_chunks != 0) {
             std::vector<std::size_t> completed;
             std::vector<std::size_t> failed;
@@ -145,6 +155,7 @@ private:
         std::deque<flight> inflight;
         std::vector<bool> busy;    // slots with a chunk in flight (staging)
         std::size_t next_slot = 0; // round robin (run-ahead)
+        std::vector<std::chrono::steady_clock::time_point> taken{}; // first tried (latency)
         [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
 
@@ -170,6 +181,7 @@ private:
         m_core.on_gpu_failure(c, chunk_in(b, c), chunk_out(b, c));
         b.state[c] = chunk_state::fallback;
         ++stats.fallback_chunks;
+        record_latency(b, c);
     }
 
     // Starts chunk c on the GPU (staging its input if needed) as `f`, which describes the chunk
@@ -231,6 +243,21 @@ private:
         if (b.attempts[f.chunk] == 0) {
             note_clean();
         }
+        record_latency(b, f.chunk);
+    }
+
+    // Chunk c is tried (started, or handed to the fallback) for the first time: its latency
+    // runs from here.
+    static void note_first_try(batch& b, std::size_t c) {
+        if (b.attempts[c] == 0) {
+            b.taken[c] = std::chrono::steady_clock::now();
+        }
+    }
+
+    // Chunk c's output is in place: its latency runs from its first try.
+    void record_latency(const batch& b, std::size_t c) {
+        m_core.monitor.chunk_latency(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - b.taken[c]).count());
     }
 
     // A chunk completed on the GPU at its first try: recover_after of them in a row (since the

@@ -3,7 +3,8 @@
 
 // What the pipeline measures: per-chunk stage timing events, the bandwidth and utilisation
 // alert windows, the statistics of a run or session (counters the drivers bump, and the figures
-// derived from them), and the chunk-size advice drawn from those figures.
+// derived from them), the chunks' latencies, the failure records of the run, and the chunk-size
+// advice drawn from those figures.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -12,12 +13,14 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/timeline.hpp>
 
+#include <cudawait/detail/latency.hpp>
 #include <cudawait/detail/link_peak.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <string_view>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -76,7 +79,31 @@ public:
             m_anchor->record(*m_anchor_stream);
             m_anchor->sync();
         }
+        m_latency.clear();
+        m_failures.clear();
+        m_give_ups = 0;
     }
+
+    /// A chunk was produced `seconds` after it was first taken (see latency_summary).
+    void chunk_latency(double seconds) { m_latency.add(seconds); }
+
+    /// Failure records kept per run: the last ones, so that a long failing run stays bounded.
+    static constexpr std::size_t max_failures = 256;
+
+    /// Keeps a degradation step's record (the oldest goes beyond max_failures).
+    void record_failure(const chunk_failure& f) {
+        if (m_failures.size() == max_failures) {
+            m_failures.erase(m_failures.begin());
+        }
+        m_failures.push_back(f);
+        if (f.level == degrade_level::give_up) {
+            ++m_give_ups;
+        }
+    }
+    /// The records of the run (or session) so far, oldest first.
+    [[nodiscard]] std::span<const chunk_failure> failures() const noexcept { return m_failures; }
+    /// Level-2 steps in the run (or session) so far, also those no longer in failures().
+    [[nodiscard]] std::size_t give_ups() const noexcept { return m_give_ups; }
 
     [[nodiscard]] bool timing() const noexcept { return !m_timing.empty(); }
     /// The timing set for the next chunk (they are used in turn).
@@ -183,6 +210,7 @@ public:
         s.compute_to_transfer = transfer > 0 ? s.compute_seconds / transfer : 0;
         double longest = std::max(transfer, s.compute_seconds);
         s.overlap_efficiency = s.wall_seconds > 0 && longest > 0 ? longest / s.wall_seconds : 0;
+        s.latency = m_latency.summary();
         return s;
     }
 
@@ -288,6 +316,9 @@ private:
     std::vector<span_entry> m_spans;
     pipeline_stats m_stats;
     double m_link_peak = 0;
+    latency_window m_latency;
+    std::vector<chunk_failure> m_failures;
+    std::size_t m_give_ups = 0;
 };
 
 } // namespace cudawait::detail

@@ -45,6 +45,7 @@
 #include <cudawait/detail/pipeline_monitor.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -196,6 +197,7 @@ struct pipeline_flight {
     Out* host_out = nullptr;
     Out* staged_out = nullptr;             // batch with pageable output: copy from the slot here
     cudaStream_t compute_stream = nullptr; // plain path: the compute stream it took
+    std::chrono::steady_clock::time_point started{}; // streaming: submitted (for its latency)
 };
 
 /// A cuda_error as a chunk_error.
@@ -392,6 +394,7 @@ struct pipeline_core {
         c.level = level;
         c.action = action;
         c.error = error;
+        monitor.record_failure(c);
         if (options.on_degrade) {
             options.on_degrade(c);
             return;

@@ -16,6 +16,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/pipeline_options.hpp>
+#include <cudawait/pipeline_report.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/task.hpp>
 #include <cudawait/timeline.hpp>
@@ -190,6 +191,7 @@ public:
         f.slot = i;
         f.host_in = sl.host_in.data();
         f.host_out = sl.host_out.data();
+        f.started = std::chrono::steady_clock::now();
         k.start_flight(f);
         // After the GPU was given up nothing is enqueued: next() hands the chunk to the fallback.
         for (unsigned attempt = 0; !k.gpu_abandoned; ++attempt) {
@@ -298,6 +300,7 @@ public:
             if (clean) {
                 note_clean();
             }
+            record_latency(f);
             co_return result(this, f.slot, f.chunk, f.output_count, false);
         }
         if (error.sticky) {
@@ -309,6 +312,7 @@ public:
         ++stats.chunks;
         if (!k.on_gpu_failure) {
             ++stats.failed_chunks;
+            write_failure_report(k);
             give_back(f.slot);
             throw pipeline_error("pipeline: chunk " + std::to_string(f.chunk) +
                                      " failed: " + error.what,
@@ -321,10 +325,13 @@ public:
                              sl.host_out.span().first(f.output_count));
         } catch (...) {
             ++stats.failed_chunks;
+            write_failure_report(k);
             give_back(f.slot);
             throw;
         }
         ++stats.fallback_chunks;
+        record_latency(f);
+        write_failure_report(k);
         co_return result(this, f.slot, f.chunk, f.output_count, true);
     }
 
@@ -430,6 +437,12 @@ private:
     }
 
     [[nodiscard]] slot& slot_of(std::size_t i) const { return *m_core.slots[i]; }
+
+    // Chunk f is delivered: its latency runs from its submission.
+    void record_latency(const flight& f) {
+        m_core.monitor.chunk_latency(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - f.started).count());
+    }
 
     void give_back(std::size_t i) {
         m_core.free_slots.push_back(i);
