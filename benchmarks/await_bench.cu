@@ -515,8 +515,7 @@ double run_completion_workers_watched(cudawait::scheduler& sched,
         cudawait::watchdog_options o;
         o.window = kWatchdogWindow;
         o.on_stall = [](const cudawait::stall_info& info) {
-            std::fprintf(stderr, "await_bench: watchdog reported device %d stalled\n",
-                         info.device);
+            std::fprintf(stderr, "await_bench: watchdog reported device %d stalled\n", info.device);
         };
         cudawait::watchdog wd(sched, o);
         secs = run_completion_workers(sched, streams, awaits);

@@ -105,12 +105,3 @@ void* allocate_through_cuda_mr(pinned_pool& pool, std::size_t bytes);
 void deallocate_through_cuda_mr(pinned_pool& pool, void* p, std::size_t bytes);
 
 } // namespace cudawait::testing
-
-namespace cudawait::testing {
-
-/// launch_wait_flag on every thread slot of the device: as many 1024-thread blocks as can be
-/// resident at once, so no other kernel gets an SM until *flag is set or `timeout_ns` passed.
-cudaError_t launch_wait_flag_everywhere(const volatile std::uint32_t* flag,
-                                        std::uint64_t timeout_ns, cudaStream_t s);
-
-} // namespace cudawait::testing

@@ -145,7 +145,7 @@ TEST_F(watchdog_gpu, reports_a_kernel_spinning_on_a_flag_once_within_the_window)
     EXPECT_EQ(cudaStreamSynchronize(st.get()), cudaSuccess);
 }
 
-TEST_F(watchdog_gpu, fails_awaits_on_a_device_whose_every_sm_is_held) {
+TEST_F(watchdog_gpu, fails_the_await_of_a_stalled_kernel_with_stall_error) {
     mapped_words flag(1);
     flag.host[0] = 0;
     stream st;
@@ -155,7 +155,7 @@ TEST_F(watchdog_gpu, fails_awaits_on_a_device_whose_every_sm_is_held) {
         {
             watchdog_options o;
             o.window = kWindow;
-            o.heartbeat = true; // cannot beat: the kernel holds every thread slot
+            o.heartbeat = false; // a one-block kernel: only completions count as progress
             o.fail_awaits = true;
             o.on_stall = [&](const stall_info&) { ++reports; };
             watchdog wd(s, o);
@@ -165,9 +165,8 @@ TEST_F(watchdog_gpu, fails_awaits_on_a_device_whose_every_sm_is_held) {
             std::chrono::nanoseconds stalled_for{0};
             auto body = [&]() -> task<bool> {
                 launched = clock_type::now();
-                check(cudawait::testing::launch_wait_flag_everywhere(flag.device, kSafetyNs,
-                                                                     st.get()),
-                      "launch_wait_flag_everywhere");
+                check(cudawait::testing::launch_wait_flag(flag.device, kSafetyNs, st.get()),
+                      "launch_wait_flag");
                 try {
                     co_await st;
                 } catch (const stall_error& e) {

@@ -850,7 +850,7 @@ private:
     std::size_t m_live_timers = 0;
     std::uint64_t m_timer_seq = 0;
     std::atomic<std::size_t> m_children{0};
-    std::vector<std::uint64_t> m_completed; ///< stream waits completed, by device
+    std::vector<std::uint64_t> m_completed;    ///< stream waits completed, by device
     cudaError_t m_orphan_status = cudaSuccess; ///< where failed awaits' completions go
     detail::stall_record m_stall;
 

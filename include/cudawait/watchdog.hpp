@@ -15,9 +15,12 @@
 // The heartbeat: per watched device a non-blocking, lowest-priority stream on which a one-thread
 // kernel increments a mapped counter, launched again each time the last one finished. It runs on
 // any free SM, so a long kernel that leaves SMs free keeps it beating: the context is alive and
-// nothing is reported. What no watchdog can tell apart: a kernel that holds every SM (or every
-// thread slot) for longer than the window looks exactly like a hung context, and is reported.
-// Without the heartbeat, any kernel that runs longer than the window while awaited is reported.
+// nothing is reported. What no watchdog can tell apart: a kernel that holds every SM for longer
+// than the window, leaving no room for the heartbeat's one thread, looks exactly like a hung
+// context, and is reported. (Whether a kernel leaves room depends on its blocks' registers,
+// shared memory and thread slots; on an H200 a kernel sized by the occupancy API to fill every
+// thread slot still let the heartbeat run, so such a kernel was not reported.) Without the
+// heartbeat, any kernel that runs longer than the window while awaited is reported.
 //
 // With fail_awaits, the stalled device's awaits throw stall_error. Nothing is cancelled: the
 // events the scheduler recorded stay queued until the GPU completes them, and the heartbeat's

@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <optional>
-#include <string_view>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
