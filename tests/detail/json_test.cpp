@@ -65,3 +65,18 @@ TEST(json_writer, unbalanced_closes_throw) {
     EXPECT_THROW(w.end_object(), std::logic_error) << "a key without its value";
     EXPECT_FALSE(w.complete());
 }
+
+TEST(json_writer, nesting_deeper_than_max_depth_throws) {
+    std::ostringstream os;
+    json_writer w(os);
+    for (std::size_t i = 0; i < json_writer::max_depth; ++i) {
+        w.begin_array();
+    }
+    EXPECT_THROW(w.begin_array(), std::logic_error);
+    for (std::size_t i = 0; i < json_writer::max_depth; ++i) {
+        w.end_array();
+    }
+    EXPECT_TRUE(w.complete());
+    EXPECT_EQ(os.str(),
+              std::string(json_writer::max_depth, '[') + std::string(json_writer::max_depth, ']'));
+}

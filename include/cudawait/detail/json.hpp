@@ -6,7 +6,9 @@
 // written as null). Commas and nesting are tracked, so a caller cannot produce invalid JSON
 // by forgetting a separator; closing more than was opened throws std::logic_error.
 
+#include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <ostream>
@@ -14,7 +16,6 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <vector>
 
 namespace cudawait::detail {
 
@@ -84,23 +85,29 @@ public:
     }
 
     /// Every object and array opened was closed.
-    [[nodiscard]] bool complete() const noexcept { return m_stack.empty() && m_wrote_root; }
+    [[nodiscard]] bool complete() const noexcept { return m_depth == 0 && m_wrote_root; }
+
+    /// Objects and arrays nest at most this deep (the exports need a handful of levels).
+    static constexpr std::size_t max_depth = 64;
 
 private:
     json_writer& open(char c) {
+        if (m_depth == max_depth) {
+            throw std::logic_error("json_writer: nested deeper than max_depth");
+        }
         separate();
         *m_out << c;
-        m_stack.push_back({c, true});
+        m_stack[m_depth++] = {c, true};
         return *this;
     }
     json_writer& close(char c) {
         char want = c == '}' ? '{' : '[';
-        if (m_stack.empty() || m_stack.back().bracket != want || m_after_key) {
+        if (m_depth == 0 || m_stack[m_depth - 1].bracket != want || m_after_key) {
             throw std::logic_error("json_writer: unbalanced close");
         }
-        m_stack.pop_back();
+        --m_depth;
         *m_out << c;
-        if (m_stack.empty()) {
+        if (m_depth == 0) {
             m_wrote_root = true;
         }
         return *this;
@@ -110,11 +117,12 @@ private:
             m_after_key = false;
             return;
         }
-        if (!m_stack.empty()) {
-            if (!m_stack.back().first) {
+        if (m_depth > 0) {
+            level& top = m_stack[m_depth - 1];
+            if (!top.first) {
                 *m_out << ',';
             }
-            m_stack.back().first = false;
+            top.first = false;
         }
     }
     void write_string(std::string_view s) {
@@ -151,11 +159,14 @@ private:
     }
 
     struct level {
-        char bracket;
-        bool first;
+        char bracket = 0;
+        bool first = true;
     };
     std::ostream* m_out;
-    std::vector<level> m_stack;
+    // A fixed stack rather than a std::vector: no allocation, and g++ 13's -Wstringop-overflow
+    // misreads std::vector's growth path for this small struct at -O3.
+    std::array<level, max_depth> m_stack{};
+    std::size_t m_depth = 0;
     bool m_after_key = false;
     bool m_wrote_root = false;
 };
