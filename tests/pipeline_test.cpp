@@ -2935,6 +2935,7 @@ TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
         o.chunk_elements = chunk;
         o.depth = 3;
         o.report_path = fresh_path(with_fallback ? "stream_fallback" : "stream_failed");
+        o.max_retries = 0; // the failed launch goes straight to level 2, not to a retry
         o.on_degrade = [](const cudawait::chunk_failure&) {};
         pipe_t p(o,
                  {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{2}),

@@ -493,7 +493,9 @@ TEST(timeline, files_are_written_and_an_unwritable_path_throws) {
 
 // ---- GPU: a pipeline's timeline ------------------------------------------------------------
 
-class timeline_gpu : public cudawait::testing::gpu_test {};
+// Pipelines leave pool blocks pending on their events until the pool collects them: the
+// fixture drains the device and the default pool, then checks that nothing is left.
+class timeline_gpu : public cudawait::testing::pool_gpu_test {};
 
 /// The union of a track's busy intervals, in us (spans of one track never overlap).
 double busy_us(const std::vector<parsed_trace::span>& spans) {
