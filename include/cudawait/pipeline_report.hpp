@@ -69,9 +69,11 @@ inline void write_options(json_writer& w, const pipeline_options& o) {
         .field("timing", o.timing)
         .field("alert_fraction", o.alert_fraction)
         .field("alert_window", o.alert_window)
+        .field("utilisation_fraction", o.utilisation_fraction)
         .field("on_alert", static_cast<bool>(o.on_alert))
         .field("chunk_timeout_ns", static_cast<long long>(o.chunk_timeout.count()))
         .field("max_retries", o.max_retries)
+        .field("recover_after", o.recover_after)
         .field("on_degrade", static_cast<bool>(o.on_degrade))
         .field("queue_capacity", o.queue_capacity);
     w.key("pool");
@@ -80,7 +82,7 @@ inline void write_options(json_writer& w, const pipeline_options& o) {
     } else {
         w.null();
     }
-    w.field("report_path", o.report_path).end_object();
+    w.field("timeline", o.timeline != nullptr).field("report_path", o.report_path).end_object();
 }
 
 inline void write_stats(json_writer& w, const pipeline_stats& s) {
@@ -90,6 +92,7 @@ inline void write_stats(json_writer& w, const pipeline_stats& s) {
         .field("fallback_chunks", s.fallback_chunks)
         .field("failed_chunks", s.failed_chunks)
         .field("retries", s.retries)
+        .field("recoveries", s.recoveries)
         .field("input_bytes", s.input_bytes)
         .field("output_bytes", s.output_bytes)
         .field("wall_seconds", s.wall_seconds)

@@ -101,8 +101,7 @@ public:
                         while (!b.inflight.empty()) {
                             co_await retire(b);
                         }
-                        k.active_depth = std::max(1u, k.active_depth - 1);
-                        m_clean = 0;
+                        k.lower_depth();
                         k.report_degradation(f, degrade_level::retry,
                                              degrade_action::retried_with_less_depth, error);
                         continue;
@@ -241,7 +240,7 @@ private:
         b.state[f.chunk] = chunk_state::gpu;
         ++m_core.monitor.counters().gpu_chunks;
         if (b.attempts[f.chunk] == 0) {
-            note_clean();
+            m_core.note_clean();
         }
         record_latency(b, f.chunk);
     }
@@ -258,21 +257,6 @@ private:
     void record_latency(const batch& b, std::size_t c) {
         m_core.monitor.chunk_latency(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - b.taken[c]).count());
-    }
-
-    // A chunk completed on the GPU at its first try: recover_after of them in a row (since the
-    // depth last changed) raise the depth by one, up to the configured one.
-    void note_clean() {
-        core& k = m_core;
-        if (k.options.recover_after == 0 || k.active_depth >= k.options.depth) {
-            m_clean = 0;
-            return;
-        }
-        if (++m_clean >= k.options.recover_after) {
-            ++k.active_depth;
-            ++k.monitor.counters().recoveries;
-            m_clean = 0;
-        }
     }
 
     // The context is gone: nothing in flight can complete or write any more.
@@ -363,8 +347,7 @@ private:
         // concurrency for what follows; past the retries the chunk is given up.
         if (++b.attempts[f.chunk] <= k.options.max_retries) {
             ++stats.retries;
-            k.active_depth = std::max(1u, k.active_depth - 1);
-            m_clean = 0;
+            k.lower_depth();
             k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);
             co_return;
         }
@@ -386,7 +369,6 @@ private:
     }
 
     core& m_core;
-    unsigned m_clean = 0; // clean chunks since the depth last changed
 };
 
 } // namespace cudawait::detail

@@ -427,6 +427,27 @@ struct pipeline_core {
     /// destruction (a late completion must not signal a reused event).
     std::vector<pooled_event> abandoned_events;
     unsigned active_depth = 1; ///< slots in use (lowered by level-1 degradation)
+    unsigned clean_chunks = 0; ///< chunks done without a retry since the depth last changed
+
+    /// Level 1: one slot fewer, down to one; the clean chunks are counted anew.
+    void lower_depth() noexcept {
+        active_depth = std::max(1u, active_depth - 1);
+        clean_chunks = 0;
+    }
+
+    /// A chunk completed without a retry: recover_after of them in a row, since the depth last
+    /// changed, raise the depth by one, up to the configured one (stats().recoveries).
+    void note_clean() noexcept {
+        if (options.recover_after == 0 || active_depth >= options.depth) {
+            clean_chunks = 0;
+            return;
+        }
+        if (++clean_chunks >= options.recover_after) {
+            ++active_depth;
+            ++monitor.counters().recoveries;
+            clean_chunks = 0;
+        }
+    }
     std::size_t compute_next = 0;
     bool gpu_abandoned = false;
     // The session rule (see pipeline.hpp): a batch and a streaming session exclude each other.

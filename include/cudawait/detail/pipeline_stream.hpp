@@ -211,7 +211,7 @@ public:
             // Level 1: retried at once with one slot fewer. What did launch before the error is
             // ordered before the retry by the slot's events, as for any reuse of the slot.
             ++k.monitor.counters().retries;
-            lower_depth();
+            m_core.lower_depth();
             try {
                 k.report_degradation(f, degrade_level::retry,
                                      degrade_action::retried_with_less_depth, error);
@@ -281,7 +281,7 @@ public:
                 // Level 1: the work cannot be cancelled; it is waited for again, with less
                 // concurrency for the chunks that follow.
                 ++stats.retries;
-                lower_depth();
+                m_core.lower_depth();
                 k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);
                 error = {};
             }
@@ -298,7 +298,7 @@ public:
             ++stats.gpu_chunks;
             ++stats.chunks;
             if (clean) {
-                note_clean();
+                m_core.note_clean();
             }
             record_latency(f);
             co_return result(this, f.slot, f.chunk, f.output_count, false);
@@ -417,25 +417,6 @@ private:
         sl.graph_stream.wait(before);
     }
 
-    void lower_depth() {
-        m_core.active_depth = std::max(1u, m_core.active_depth - 1);
-        m_clean = 0;
-    }
-
-    // A chunk completed on the GPU without a retry: recover_after of them raise the depth.
-    void note_clean() {
-        core& k = m_core;
-        if (k.options.recover_after == 0 || k.active_depth >= k.options.depth) {
-            m_clean = 0;
-            return;
-        }
-        if (++m_clean >= k.options.recover_after) {
-            ++k.active_depth;
-            ++k.monitor.counters().recoveries;
-            m_clean = 0;
-        }
-    }
-
     [[nodiscard]] slot& slot_of(std::size_t i) const { return *m_core.slots[i]; }
 
     // Chunk f is delivered: its latency runs from its submission.
@@ -468,7 +449,6 @@ private:
     std::size_t m_stream_seq = 0;
     std::size_t m_sessions_ended = 0;
     unsigned m_front_attempts = 0; // chunk_timeout retries of the chunk next() waits for
-    unsigned m_clean = 0;          // clean chunks since the depth was last changed
     bool m_closed = false;         // close() called, and next() has not returned the end yet
 };
 
