@@ -2,9 +2,9 @@
 #pragma once
 
 // Synopsis
-//   struct stall_info;        a stalled device: its streams with pending awaits, how many, since
-//   when struct watchdog_options;  window, heartbeat, fail_awaits, on_stall class watchdog;
-//   `watchdog wd(sched, {.window = 2s, .on_stall = report});`
+//   struct stall_info;        a stalled device, its streams with pending awaits, how long
+//   struct watchdog_options;  window, heartbeat, fail_awaits, on_stall
+//   class watchdog;           `watchdog wd(sched, {.window = 2s, .on_stall = report});`
 //
 // A device stalls when awaits are pending on its streams and, for the whole window, none of the
 // scheduler's stream awaits on it completed and (with the heartbeat on) its heartbeat did not
@@ -13,7 +13,9 @@
 // reported once; the watchdog re-arms once the device makes progress or no await is pending on it.
 //
 // The heartbeat: per watched device a non-blocking, lowest-priority stream on which a one-thread
-// kernel increments a mapped counter, launched again each time the last one finished. It runs on
+// kernel increments a mapped counter. It is launched only at a check that saw no completion on
+// the device since the last one, and again at each such check once the last one finished, so a
+// device whose awaits keep completing never runs it (and pays nothing for it). It runs on
 // any free SM, so a long kernel that leaves SMs free keeps it beating: the context is alive and
 // nothing is reported. What no watchdog can tell apart: a kernel that holds every SM for longer
 // than the window, leaving no room for the heartbeat's one thread, looks exactly like a hung
@@ -265,8 +267,11 @@ private:
                 d.completed = c;
                 progress = true;
             }
-            if (m_options.heartbeat) {
-                progress |= beat(d);
+            if (m_options.heartbeat && !progress) {
+                // Only while no completion shows the device alive: a kernel launch changes the
+                // driver's state for everyone's event records and queries, so a busy device is
+                // never sent one.
+                progress = beat(d);
             }
             if (progress) {
                 d.last_progress = now;
