@@ -2223,6 +2223,124 @@ TEST_F(pipeline_gpu, acquire_with_a_timeout_fails_on_time_while_slots_and_queue_
     EXPECT_EQ(p.stats().gpu_chunks, 3u);
 }
 
+// While next() waits for the chunk at the front of the queue, that chunk keeps its place: with
+// queue_capacity 1, a producer cannot submit behind it even though a slot is free, and once
+// next() times out the queue holds one chunk, not two.
+TEST_F(pipeline_gpu, a_chunk_that_next_waits_for_keeps_its_place_in_the_queue) {
+    const std::size_t chunk = 20'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 2; ++i) {
+        chunks.push_back(random_words(chunk, 120 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.queue_capacity = 1;
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
+    cudawait::scheduler sched;
+    bool next_timed_out = false;
+    bool acquire_timed_out = false;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_chunk(p, chunks[0]); // stuck until the flag
+        auto consumer = [&]() -> cudawait::task<void> {
+            try {
+                (void)co_await p.next(150ms);
+            } catch (const cudawait::timeout_error&) {
+                next_timed_out = true;
+            }
+        };
+        auto producer = [&]() -> cudawait::task<void> {
+            co_await cudawait::sleep_for(20ms); // next() is waiting by now
+            try {
+                auto slot = co_await p.acquire(60ms);
+                ADD_FAILURE() << "a slot was handed out while the queue was full";
+                std::copy(chunks[1].begin(), chunks[1].end(), slot.data().begin());
+                p.submit(std::move(slot), chunks[1].size());
+            } catch (const cudawait::timeout_error&) {
+                acquire_timed_out = true;
+            }
+        };
+        co_await cudawait::when_all(consumer(), producer());
+        std::atomic_ref<u32>(release_flag[0]).store(1);
+        EXPECT_TRUE(right_result(co_await p.next(10s), chunks, 0));
+        co_await submit_chunk(p, chunks[1]);
+        EXPECT_TRUE(right_result(co_await p.next(10s), chunks, 1));
+        p.close();
+        EXPECT_FALSE(co_await p.next(10s)) << "no chunk beyond the two submitted";
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1);
+    EXPECT_TRUE(next_timed_out);
+    EXPECT_TRUE(acquire_timed_out);
+    EXPECT_EQ(p.stats().gpu_chunks, 2u);
+}
+
+// Every slot holds a hung chunk that was given up: the producer still gets slots (with fresh
+// pinned buffers, the old ones kept while the GPU may write them) and the fallback produces
+// the chunks that follow; nothing waits for the hung kernel.
+TEST_F(pipeline_gpu, slots_of_given_up_chunks_serve_the_producer_again) {
+    const std::size_t chunk = 20'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 5; ++i) {
+        chunks.push_back(random_words(chunk, 130 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.queue_capacity = 2;
+    o.chunk_timeout = 30ms;
+    o.max_retries = 0;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))},
+             host_fallback);
+    cudawait::scheduler sched;
+    std::vector<std::vector<std::size_t>> failed;
+    std::vector<std::size_t> by_fallback;
+    std::vector<const u32*> old_inputs;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 2; ++i) {
+            auto slot = co_await p.acquire(1s);
+            old_inputs.push_back(slot.data().data());
+            std::copy(chunks[i].begin(), chunks[i].end(), slot.data().begin());
+            p.submit(std::move(slot), chunks[i].size());
+        }
+        for (int i = 0; i < 2; ++i) { // chunk 0 hangs, chunk 1 is behind it
+            try {
+                (void)co_await p.next(10s);
+                ADD_FAILURE() << "a hung chunk was delivered";
+            } catch (const pipeline_error& e) {
+                failed.push_back(e.failed());
+            }
+        }
+        for (std::size_t i = 2; i < 5; ++i) {
+            auto slot = co_await p.acquire(2s); // timed: a slot that never comes fails the test
+            for (const u32* old : old_inputs) {
+                EXPECT_NE(slot.data().data(), old) << "the GPU may still read the old buffer";
+            }
+            std::copy(chunks[i].begin(), chunks[i].end(), slot.data().begin());
+            p.submit(std::move(slot), chunks[i].size());
+            auto r = co_await p.next(10s);
+            EXPECT_TRUE(right_result(r, chunks, i));
+            if (r && r->by_fallback()) {
+                by_fallback.push_back(r->chunk());
+            }
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next(10s));
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // the hung kernel ends before teardown
+    EXPECT_EQ(failed, (std::vector<std::vector<std::size_t>>{{0}, {1}}));
+    EXPECT_EQ(by_fallback, (std::vector<std::size_t>{2, 3, 4}));
+    auto st = p.stats();
+    EXPECT_TRUE(st.gpu_abandoned);
+    EXPECT_EQ(st.chunks, 5u);
+    EXPECT_EQ(st.failed_chunks, 2u);
+    EXPECT_EQ(st.fallback_chunks, 3u);
+}
+
 /// Streams `chunks` with a producer and a consumer; the consumer's log.
 stream_log stream_all(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
     stream_log log;

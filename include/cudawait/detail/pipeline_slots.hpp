@@ -426,6 +426,20 @@ struct pipeline_core {
     /// Events of chunks given up while their work may still complete: out of the pool until
     /// destruction (a late completion must not signal a reused event).
     std::vector<pooled_event> abandoned_events;
+    /// Pinned buffers of slots given up while the GPU may still use them: kept until the
+    /// streams were synchronised (the destructor).
+    std::vector<pinned_buffer<In>> abandoned_inputs;
+    std::vector<pinned_buffer<Out>> abandoned_outputs;
+
+    /// Moves `sl`'s pinned buffers to the abandoned ones; it gets new ones on its next use.
+    void abandon_host_buffers(slot& sl) {
+        if (sl.host_in) {
+            abandoned_inputs.push_back(std::move(sl.host_in));
+        }
+        if (sl.host_out) {
+            abandoned_outputs.push_back(std::move(sl.host_out));
+        }
+    }
     unsigned active_depth = 1; ///< slots in use (lowered by level-1 degradation)
     unsigned clean_chunks = 0; ///< chunks done without a retry since the depth last changed
 

@@ -147,7 +147,7 @@ public:
                 throw usage_error("pipeline::acquire: the pipeline is closed; a new streaming "
                                   "session may begin once next() has returned the end");
             }
-            if (!k.free_slots.empty() && m_submitted.size() < k.options.queue_capacity) {
+            if (!k.free_slots.empty() && m_submitted.size() + m_taken < k.options.queue_capacity) {
                 break;
             }
             if (!deadline) {
@@ -253,7 +253,16 @@ public:
         }
         flight f = std::move(m_submitted.front());
         m_submitted.pop_front();
-        m_slot_freed.notify_all(); // the queue has room again
+        // Until it is consumed (or put back in line after the caller's timeout) the chunk keeps
+        // its place in the queue: a producer may not fill it meanwhile.
+        ++m_taken;
+        struct taken_guard {
+            pipeline_stream* self;
+            ~taken_guard() {
+                --self->m_taken;
+                self->m_slot_freed.notify_all(); // the queue has room again
+            }
+        } taken{this};
         chunk_error error = std::move(f.error);
         if (!error.failed() && !k.gpu_abandoned) {
             trace_async_range r("wait", f.chunk);
@@ -398,6 +407,13 @@ private:
         ++stats.failed_chunks;
         flight lost = std::move(f);
         k.abandoned_events.push_back(std::move(lost.done));
+        // The GPU may still write the slot's pinned buffers: they are kept until the pipeline
+        // goes (after its streams were synchronised), and the slot, whose device side is never
+        // used again, gets fresh ones on its next acquire. So a producer never waits for a slot
+        // that a hung chunk holds.
+        slot& sl = *k.slots[lost.slot];
+        k.abandon_host_buffers(sl);
+        give_back(lost.slot);
         k.report_degradation(lost, degrade_level::give_up, degrade_action::failed_timed_out, error);
         throw pipeline_error("pipeline: chunk " + std::to_string(lost.chunk) +
                                  " failed: " + error.what,
@@ -449,6 +465,7 @@ private:
     std::size_t m_stream_seq = 0;
     std::size_t m_sessions_ended = 0;
     unsigned m_front_attempts = 0; // chunk_timeout retries of the chunk next() waits for
+    std::size_t m_taken = 0;       // chunks next() took from the queue and has not finished
     bool m_closed = false;         // close() called, and next() has not returned the end yet
 };
 
