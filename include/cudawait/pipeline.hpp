@@ -91,7 +91,9 @@
 // Streaming degrades the same way: a retryable enqueue error is retried at once with one slot
 // fewer, and a chunk whose wait in next() outlives chunk_timeout is waited for again with one
 // slot fewer (level 1); past max_retries the first goes to the fallback, the second is reported
-// failed like a batch's (the chunks behind it too, and their slots stay out of use). Depth in
+// failed like a batch's (the chunks behind it too). The slots of chunks reported failed so serve
+// the producer again at once, with fresh pinned buffers: the old ones, which the GPU may still
+// write, are kept until the pipeline goes. Depth in
 // streaming bounds the chunks the GPU works on at once (a chunk's copy waits on the GPU for the
 // one `depth` submissions earlier); it never makes acquire() wait, so no producer deadlocks.
 // Recovery, both modes: after `recover_after` chunks completed cleanly at a lowered depth, the

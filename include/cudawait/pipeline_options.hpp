@@ -220,8 +220,9 @@ struct pipeline_options {
     /// up by one (stats().recoveries counts it), until it is `depth` again; 0: it stays low.
     unsigned recover_after = 16;
     std::function<void(const chunk_failure&)> on_degrade;
-    /// Streaming: chunks submitted and not yet taken by next(); 0 means
-    /// (2 copy streams + compute streams) x 2.
+    /// Streaming: chunks submitted and not yet taken by next() (one that next() is waiting
+    /// for counts until it is taken; a producer waits in acquire() while the queue is full); 0
+    /// means (2 copy streams + compute streams) x 2.
     std::size_t queue_capacity = 0;
     /// Staging buffers come from here; nullptr: default_pinned_pool().
     pinned_pool* pool = nullptr;
