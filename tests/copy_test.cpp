@@ -421,7 +421,7 @@ std::vector<std::uint32_t> read_back(const device_buffer<std::uint32_t>& d,
     return out;
 }
 
-TEST_F(copy_gpu, peer_access_of_a_device_to_itself_is_on_without_a_call) {
+TEST_F(copy_gpu, peer_access_of_a_device_to_itself_is_on_and_leaves_no_error) {
     EXPECT_TRUE(cudawait::enable_peer_access(0, 0));
     EXPECT_TRUE(cudawait::enable_peer_access(0, 0)) << "asked twice";
     EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "no error left behind";

@@ -149,33 +149,34 @@ struct peer_access_record {
 /// Lets device `a` access the memory of device `b` (cudaDeviceEnablePeerAccess(b) with `a`
 /// current; access is one-way, so a copy engine or kernel of `b` reading `a`'s memory needs
 /// enable_peer_access(b, a) too). Returns whether the access is on: true for a == b (a device
-/// always reaches its own memory; no CUDA call), false where cudaDeviceCanAccessPeer says the
-/// pair cannot (no common NVLink or PCIe switch; copies between them still work, staged by the
-/// driver through host memory). Access enabled earlier outside the library counts as on
+/// always reaches its own memory), false where cudaDeviceCanAccessPeer says the pair cannot (no
+/// common NVLink or PCIe switch; copies between them still work, staged by the driver through
+/// host memory). Access enabled earlier outside the library counts as on
 /// (cudaErrorPeerAccessAlreadyEnabled is success, and cleared). Each ordered pair is settled
-/// once per process, thread-safely; later calls make no CUDA call. A failure is not recorded,
-/// so a later call tries again. Access applies to memory from cudaMalloc and to copies between
-/// the devices; memory from a stream-ordered pool (cudaMallocAsync, device_buffer) is reached
-/// by kernels of another device only after cudaMemPoolSetAccess on that pool. cudaDeviceReset
-/// ends the access; the record then no longer holds.
+/// once per process, thread-safely; a settled pair is answered without a CUDA call. A failure
+/// settles nothing, so a later call tries again. Access applies to memory from cudaMalloc and
+/// speeds up copies between the devices; memory from a stream-ordered pool (cudaMallocAsync,
+/// device_buffer) is copied between devices either way, but kernels of another device reach it
+/// only after cudaMemPoolSetAccess on that pool. cudaDeviceReset ends the access; the record
+/// then no longer holds.
 /// @throws cuda_error (cudaErrorInvalidDevice for an id that names no visible device; any
 ///         other error of cudaDeviceCanAccessPeer or cudaDeviceEnablePeerAccess, such as
 ///         cudaErrorTooManyPeers)
 inline bool enable_peer_access(int a, int b,
                                std::source_location where = std::source_location::current()) {
-    device_ref from(a, where);
-    device_ref to(b, where);
-    if (a == b) {
-        return true;
-    }
     auto& record = detail::peer_access_record::instance();
     std::lock_guard lock(record.mutex);
     if (auto it = record.on.find({a, b}); it != record.on.end()) {
-        return it->second;
+        return it->second; // only valid ids are recorded
     }
-    int can = 0;
-    check(cudaDeviceCanAccessPeer(&can, from.get(), to.get()), "cudaDeviceCanAccessPeer", where);
-    if (can != 0) {
+    device_ref from(a, where);
+    device_ref to(b, where);
+    int can = 1;
+    if (a != b) {
+        check(cudaDeviceCanAccessPeer(&can, from.get(), to.get()), "cudaDeviceCanAccessPeer",
+              where);
+    }
+    if (a != b && can != 0) {
         device_guard guard(from, where);
         cudaError_t st = cudaDeviceEnablePeerAccess(to.get(), 0);
         if (st == cudaErrorPeerAccessAlreadyEnabled) {
