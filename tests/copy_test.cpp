@@ -396,4 +396,128 @@ TEST_F(copy_gpu, concurrent_awaited_copies_on_several_streams) {
     EXPECT_EQ(rb, b);
 }
 
+// ---- device memory of two devices: peer copies ---------------------------------------------
+
+TEST(copy_peer, enable_peer_access_rejects_ids_that_name_no_device) {
+    // Without a driver or a device the id check fails the same way: a cuda_error.
+    EXPECT_THROW((void)cudawait::enable_peer_access(-1, 0), cudawait::cuda_error);
+    EXPECT_THROW((void)cudawait::enable_peer_access(0, 1 << 20), cudawait::cuda_error);
+}
+
+std::vector<std::uint32_t> random_words(std::size_t n, std::uint64_t seed) {
+    std::vector<std::uint32_t> v(n);
+    std::mt19937_64 rng(seed);
+    for (auto& x : v) {
+        x = static_cast<std::uint32_t>(rng());
+    }
+    return v;
+}
+
+// The device's memory, read back through a staged copy into a vector that is poisoned first.
+std::vector<std::uint32_t> read_back(const device_buffer<std::uint32_t>& d,
+                                     cudawait::stream_ref s) {
+    std::vector<std::uint32_t> out(d.size(), 0xdeadbeef);
+    copy_async(out, d, s);
+    return out;
+}
+
+TEST_F(copy_gpu, peer_access_of_a_device_to_itself_is_on_and_leaves_no_error) {
+    EXPECT_TRUE(cudawait::enable_peer_access(0, 0));
+    EXPECT_TRUE(cudawait::enable_peer_access(0, 0)) << "asked twice";
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "no error left behind";
+}
+
+TEST_F(copy_gpu, device_to_device_on_one_device_through_the_peer_call_is_exact) {
+    cudawait::stream s;
+    const std::size_t n = (5_MiB + 12) / 4;
+    const std::size_t bytes = n * sizeof(std::uint32_t);
+    auto want = random_words(n, 41);
+    device_buffer<std::uint32_t> src(n, s);
+    device_buffer<std::uint32_t> dst(n, s);
+    copy_async(src, want, s);
+
+    // The plan knows both sides' device; one device is no peer copy.
+    auto plan = cudawait::detail::make_plan(dst, src, copy_options{});
+    EXPECT_EQ(plan.dst_device, 0);
+    EXPECT_EQ(plan.src_device, 0);
+    EXPECT_FALSE(plan.peer());
+    EXPECT_FALSE(plan.staged());
+
+    // The peer call with both ids 0: cudaMemcpyPeerAsync within one device.
+    ASSERT_EQ(cudaMemsetAsync(dst.data(), 0xcd, bytes, s.get()), cudaSuccess);
+    cudawait::detail::enqueue_peer(dst.data(), 0, src.data(), 0, bytes, s);
+    EXPECT_EQ(read_back(dst, s), want) << "cudaMemcpyPeerAsync 0 -> 0";
+
+    // The public entry points, enqueued and awaited.
+    ASSERT_EQ(cudaMemsetAsync(dst.data(), 0xcd, bytes, s.get()), cudaSuccess);
+    copy_async(dst, src, s);
+    EXPECT_EQ(read_back(dst, s), want) << "copy_async";
+    ASSERT_EQ(cudaMemsetAsync(dst.data(), 0xcd, bytes, s.get()), cudaSuccess);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, copy(dst, src, s));
+    EXPECT_EQ(read_back(dst, s), want) << "co_await copy";
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST_F(copy_gpu, device_buffers_of_different_sizes_are_a_usage_error) {
+    cudawait::stream s;
+    device_buffer<std::uint32_t> a(100, s);
+    device_buffer<std::uint32_t> b(101, s);
+    EXPECT_THROW(copy_async(a, b, s), usage_error);
+    EXPECT_THROW((void)copy(a, b, s), usage_error);
+    s.sync();
+}
+
+TEST_F(copy_gpu, device_to_device_between_two_devices_is_exact_either_way) {
+    if (cudawait::device_count() < 2) {
+        GTEST_SKIP() << "needs two devices";
+    }
+    cudawait::stream s0{cudawait::device_ref(0)};
+    cudawait::stream s1{cudawait::device_ref(1)};
+    const std::size_t n = (7_MiB + 4) / 4;
+    const std::size_t bytes = n * sizeof(std::uint32_t);
+    auto want = random_words(n, 42);
+    auto other = random_words(n, 43);
+    device_buffer<std::uint32_t> on0(n, s0);
+    device_buffer<std::uint32_t> on1(n, s1);
+    device_buffer<std::uint32_t> back0(n, s0);
+    copy_async(on0, want, s0);
+
+    int can01 = 0;
+    int can10 = 0;
+    ASSERT_EQ(cudaDeviceCanAccessPeer(&can01, 0, 1), cudaSuccess);
+    ASSERT_EQ(cudaDeviceCanAccessPeer(&can10, 1, 0), cudaSuccess);
+    EXPECT_EQ(cudawait::enable_peer_access(0, 1), can01 != 0);
+    EXPECT_EQ(cudawait::enable_peer_access(1, 0), can10 != 0);
+    EXPECT_EQ(cudawait::enable_peer_access(0, 1), can01 != 0) << "settled once, same answer";
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+
+    auto plan = cudawait::detail::make_plan(on1, on0, copy_options{});
+    EXPECT_EQ(plan.dst_device, 1);
+    EXPECT_EQ(plan.src_device, 0);
+    EXPECT_TRUE(plan.peer());
+
+    // 0 -> 1 on the source device's stream, enqueued only.
+    ASSERT_EQ(cudaMemsetAsync(on1.data(), 0xcd, bytes, s1.get()), cudaSuccess);
+    s1.sync();
+    copy_async(on1, on0, s0);
+    s0.sync();
+    EXPECT_EQ(read_back(on1, s1), want) << "0 -> 1 on device 0's stream";
+
+    // 1 -> 0 on the source device's stream (device 1), awaited; then 0 -> 1 on the
+    // destination's stream, with other data.
+    ASSERT_EQ(cudaMemsetAsync(back0.data(), 0xcd, bytes, s0.get()), cudaSuccess);
+    s0.sync();
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, copy(back0, on1, s1));
+    EXPECT_EQ(read_back(back0, s0), want) << "1 -> 0 on device 1's stream";
+    copy_async(on0, other, s0);
+    s0.sync();
+    cudawait::sync_wait(sched, copy(on1, on0, s1));
+    EXPECT_EQ(read_back(on1, s1), other) << "0 -> 1 on device 1's stream";
+    s0.sync();
+    s1.sync();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 } // namespace

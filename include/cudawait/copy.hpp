@@ -23,7 +23,17 @@
 //     cudaMemcpyAsync with pageable memory, but overlapped and several times faster;
 //   - co_await copy(...) waits without blocking the scheduler, except for the host memcpy of
 //     each chunk, which runs on the scheduler's thread with the helpers.
+//
+// Device memory of two different devices (the device ids come from cudaPointerGetAttributes) is
+// copied with cudaMemcpyPeerAsync, after enable_peer_access (device.hpp) in both directions
+// where the pair supports it: once per pair for the process, and without it the driver stages
+// the copy through host memory. `s` may belong to the source device, the destination device or
+// any other: cudaMemcpyPeerAsync works whatever the current device is, and the copy is ordered
+// in `s` only, so the choice is whichever stream already orders the work around the copy (the
+// producer's, as a rule); work of the other device must be ordered by the caller (an event).
+// Device memory of one device is copied with cudaMemcpyAsync, as before.
 
+#include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/memory_kind.hpp>
@@ -71,6 +81,13 @@ struct copy_plan {
     memory_kind src_kind;
     pinned_pool* dst_pool = nullptr;
     pinned_pool* src_pool = nullptr;
+    int dst_device = -1; ///< the device of device memory, else -1
+    int src_device = -1;
+
+    /// Device memory of two different devices: a peer copy.
+    [[nodiscard]] bool peer() const noexcept {
+        return dst_device >= 0 && src_device >= 0 && dst_device != src_device;
+    }
 
     [[nodiscard]] bool staged() const noexcept {
         bool dst_gpu = dst_kind == memory_kind::device || dst_kind == memory_kind::managed;
@@ -95,6 +112,14 @@ pinned_pool* owning_pool(const R& r, const void* p, pinned_pool& fallback) {
     } else {
         return fallback.owns(p) ? &fallback : nullptr;
     }
+}
+
+/// The device whose memory `p` is, or -1 where the driver does not call it device memory.
+/// @throws cuda_error
+[[nodiscard]] inline int pointer_device(const void* p) {
+    cudaPointerAttributes a{};
+    check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
+    return a.type == cudaMemoryTypeDevice ? a.device : -1;
 }
 
 inline pinned_pool& staging_pool(const copy_options& opt) {
@@ -131,11 +156,35 @@ copy_plan make_plan(const Dst& dst, const Src& src, const copy_options& opt) {
     if (plan.src_kind == memory_kind::pinned) {
         plan.src_pool = owning_pool(src, s, pool);
     }
+    if (plan.dst_kind == memory_kind::device && plan.src_kind == memory_kind::device) {
+        // Even where the types state device memory, only the driver knows which device.
+        plan.dst_device = pointer_device(d);
+        plan.src_device = pointer_device(s);
+    }
     return plan;
 }
 
-// A direct copy: one cudaMemcpyAsync, and pool memory on either side marked as used by `s`.
+/// A copy of device memory between devices (or within one: then an ordinary device-to-device
+/// copy), with peer access enabled both ways first where the pair supports it, so that a copy
+/// engine of either device can move the bytes directly.
+/// @throws cuda_error
+inline void enqueue_peer(void* dst, int dst_device, const void* src, int src_device,
+                         std::size_t bytes, stream_ref s) {
+    if (dst_device != src_device) {
+        (void)enable_peer_access(src_device, dst_device);
+        (void)enable_peer_access(dst_device, src_device);
+    }
+    check(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, s.get()),
+          "cudaMemcpyPeerAsync");
+}
+
+// A direct copy: one cudaMemcpyAsync (cudaMemcpyPeerAsync between devices), and pool memory on
+// either side marked as used by `s`.
 inline void enqueue_direct(const copy_plan& plan, stream_ref s) {
+    if (plan.peer()) {
+        enqueue_peer(plan.dst, plan.dst_device, plan.src, plan.src_device, plan.bytes, s);
+        return;
+    }
     check(cudaMemcpyAsync(plan.dst, plan.src, plan.bytes, cudaMemcpyDefault, s.get()),
           "cudaMemcpyAsync");
     if (plan.dst_pool != nullptr) {

@@ -7,11 +7,15 @@
 //   class device_ref;             a device id, validated on construction
 //   device_ref current_device();
 //   class device_guard;           makes a device current for a scope, restores the previous one
+//   bool enable_peer_access(a, b);   lets device a access device b's memory, once per pair
 
 #include <cudawait/error.hpp>
 
+#include <map>
+#include <mutex>
 #include <source_location>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -124,6 +128,65 @@ inline device_ref::priority_range device_ref::stream_priorities() const {
     check(cudaDeviceGetStreamPriorityRange(&r.least, &r.greatest),
           "cudaDeviceGetStreamPriorityRange");
     return r;
+}
+
+namespace detail {
+
+/// Which ordered device pairs enable_peer_access settled, and how: process-wide. Never
+/// destroyed, so that no static destructor can find it gone.
+struct peer_access_record {
+    std::mutex mutex;
+    std::map<std::pair<int, int>, bool> on;
+
+    static peer_access_record& instance() {
+        static peer_access_record* record = new peer_access_record();
+        return *record;
+    }
+};
+
+} // namespace detail
+
+/// Lets device `a` access the memory of device `b` (cudaDeviceEnablePeerAccess(b) with `a`
+/// current; access is one-way, so a copy engine or kernel of `b` reading `a`'s memory needs
+/// enable_peer_access(b, a) too). Returns whether the access is on: true for a == b (a device
+/// always reaches its own memory), false where cudaDeviceCanAccessPeer says the pair cannot (no
+/// common NVLink or PCIe switch; copies between them still work, staged by the driver through
+/// host memory). Access enabled earlier outside the library counts as on
+/// (cudaErrorPeerAccessAlreadyEnabled is success, and cleared). Each ordered pair is settled
+/// once per process, thread-safely; a settled pair is answered without a CUDA call. A failure
+/// settles nothing, so a later call tries again. Access applies to memory from cudaMalloc and
+/// speeds up copies between the devices; memory from a stream-ordered pool (cudaMallocAsync,
+/// device_buffer) is copied between devices either way, but kernels of another device reach it
+/// only after cudaMemPoolSetAccess on that pool. cudaDeviceReset ends the access; the record
+/// then no longer holds.
+/// @throws cuda_error (cudaErrorInvalidDevice for an id that names no visible device; any
+///         other error of cudaDeviceCanAccessPeer or cudaDeviceEnablePeerAccess, such as
+///         cudaErrorTooManyPeers)
+inline bool enable_peer_access(int a, int b,
+                               std::source_location where = std::source_location::current()) {
+    auto& record = detail::peer_access_record::instance();
+    std::lock_guard lock(record.mutex);
+    if (auto it = record.on.find({a, b}); it != record.on.end()) {
+        return it->second; // only valid ids are recorded
+    }
+    device_ref from(a, where);
+    device_ref to(b, where);
+    int can = 1;
+    if (a != b) {
+        check(cudaDeviceCanAccessPeer(&can, from.get(), to.get()), "cudaDeviceCanAccessPeer",
+              where);
+    }
+    if (a != b && can != 0) {
+        device_guard guard(from, where);
+        cudaError_t st = cudaDeviceEnablePeerAccess(to.get(), 0);
+        if (st == cudaErrorPeerAccessAlreadyEnabled) {
+            (void)cudaGetLastError(); // the runtime also left it as the thread's last error
+        } else {
+            check(st, "cudaDeviceEnablePeerAccess", where);
+        }
+    }
+    record.on.emplace(std::pair{a, b}, can != 0);
+    return can != 0;
 }
 
 } // namespace cudawait

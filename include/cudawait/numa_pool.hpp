@@ -1,0 +1,230 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Synopsis
+//   numa_slab_source src(node);              page-locked slabs placed on one NUMA node
+//   numa_slab_source src(node, numa_policy::preferred);   placed there where the system lets
+//   pinned_pool pool(pinned_pool_options{.upstream = std::make_shared<numa_slab_source>(1)});
+//   pinned_pool& numa_pinned_pool(int node); the process-wide pool of one node's memory
+//
+// On a machine with several NUMA nodes (sockets), a GPU sits on one of them: a DMA from host
+// memory on another node crosses the socket link, which costs bandwidth and adds latency.
+// numa_slab_source maps anonymous memory, binds it to the node with the mbind system call
+// (no libnuma needed), faults it in there and registers it with cudaHostRegister (portable:
+// every device can use it). The library's per-device staging (detail/multi_pool.hpp) draws
+// from numa_pinned_pool(the device's node) where the machine has several nodes.
+//
+// Containers often forbid mbind (Docker's default seccomp profile allows it only with
+// CAP_SYS_NICE): with numa_policy::bind the slab then fails with std::system_error (EPERM);
+// with numa_policy::preferred it is made anyway, placed by first touch, and counted in
+// unplaced_slabs().
+
+#include <cudawait/error.hpp>
+#include <cudawait/pinned_pool.hpp>
+
+#include <cudawait/detail/fork_guard.hpp>
+#include <cudawait/detail/numa.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <system_error>
+
+#include <cuda_runtime_api.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace cudawait {
+
+/// How strictly a numa_slab_source places its slabs.
+enum class numa_policy {
+    bind,      ///< MPOL_BIND: only the node's memory; a refused mbind is an error
+    preferred, ///< MPOL_PREFERRED: the node's memory while it has free pages; a refused
+               ///< mbind leaves the slab placed by first touch
+};
+
+/// A slab_source whose slabs live on one NUMA node: an anonymous mapping (transparent huge
+/// pages requested), bound to the node with mbind, faulted in on several threads, then
+/// registered with cudaHostRegister (portable). Slabs are 2 MiB-aligned, as a pinned_pool needs.
+class numa_slab_source final : public slab_source {
+public:
+    /// The largest range one cudaHostRegister call accepts here.
+    static constexpr std::size_t max_slab_bytes = 64_GiB;
+    static constexpr std::size_t alignment = 2_MiB;
+
+    /// @throws usage_error when `node` is no NUMA node of this machine (where sysfs does not
+    ///         list the nodes, only node 0 is)
+    explicit numa_slab_source(int node, numa_policy policy = numa_policy::bind)
+        : m_node(node), m_policy(policy) {
+        if (!detail::numa_node_exists(node)) {
+            throw usage_error("numa_slab_source: " + std::to_string(node) +
+                              " is no NUMA node of this machine (it has " +
+                              std::to_string(detail::numa_node_count()) + ")");
+        }
+    }
+
+    numa_slab_source(const numa_slab_source&) = delete;
+    numa_slab_source& operator=(const numa_slab_source&) = delete;
+
+    /// @throws usage_error for a size that is not a non-zero multiple of 2 MiB up to 64 GiB;
+    ///         std::bad_alloc when mmap fails; std::system_error when mbind is refused under
+    ///         numa_policy::bind (errno in code()); cuda_error from cudaHostRegister
+    void* allocate(std::size_t bytes) override {
+        if (bytes == 0 || bytes % alignment != 0 || bytes > max_slab_bytes) {
+            throw usage_error("numa_slab_source: slab size must be a non-zero multiple of 2 MiB "
+                              "and at most 64 GiB");
+        }
+#if defined(__linux__)
+        std::byte* p = map_aligned(bytes);
+        try {
+            place(p, bytes);
+            detail::fault_in(p, bytes);
+        } catch (...) {
+            ::munmap(p, bytes);
+            throw;
+        }
+        cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+        if (st != cudaSuccess) {
+            ::munmap(p, bytes);
+            check(st, "cudaHostRegister");
+        }
+        return p;
+#else
+        throw std::system_error(ENOSYS, std::generic_category(), "numa_slab_source: no mmap");
+#endif
+    }
+
+    void deallocate(void* p, std::size_t bytes) noexcept override {
+        detail::report(cudaHostUnregister(p), "cudaHostUnregister");
+#if defined(__linux__)
+        ::munmap(p, bytes);
+#else
+        (void)bytes;
+#endif
+    }
+
+    /// The node the slabs are placed on.
+    [[nodiscard]] int node() const noexcept { return m_node; }
+    /// How strictly.
+    [[nodiscard]] numa_policy policy() const noexcept { return m_policy; }
+    /// Slabs made under numa_policy::preferred although mbind was refused (placed by first
+    /// touch, that is on the node of the thread that grew the pool, as a rule).
+    [[nodiscard]] std::uint64_t unplaced_slabs() const noexcept {
+        return m_unplaced.load(std::memory_order_relaxed);
+    }
+
+private:
+#if defined(__linux__)
+    // Maps 2 MiB extra and trims, so that the slab starts on a huge-page boundary.
+    static std::byte* map_aligned(std::size_t bytes) {
+        std::size_t span = bytes + alignment;
+        void* raw =
+            ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (raw == MAP_FAILED) {
+            throw std::bad_alloc();
+        }
+        auto addr = reinterpret_cast<std::uintptr_t>(raw);
+        std::uintptr_t aligned = (addr + alignment - 1) / alignment * alignment;
+        std::size_t head = aligned - addr;
+        if (head != 0) {
+            ::munmap(raw, head);
+        }
+        if (std::size_t tail = span - head - bytes; tail != 0) {
+            ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+        }
+        auto* p = reinterpret_cast<std::byte*>(aligned);
+#if defined(MADV_HUGEPAGE)
+        (void)::madvise(p, bytes, MADV_HUGEPAGE); // a hint; without it the slab still works
+#endif
+        return p;
+    }
+#endif
+
+    // Before the first touch: the policy decides where each page is faulted in.
+    void place(std::byte* p, std::size_t bytes) {
+        int mode = m_policy == numa_policy::bind ? detail::mpol_bind : detail::mpol_preferred;
+        try {
+            detail::bind_to_node(p, bytes, m_node, mode);
+        } catch (const std::system_error&) {
+            if (m_policy == numa_policy::bind) {
+                throw;
+            }
+            m_unplaced.fetch_add(1, std::memory_order_relaxed);
+        }
+    }
+
+    int m_node;
+    numa_policy m_policy;
+    std::atomic<std::uint64_t> m_unplaced{0};
+};
+
+namespace detail {
+
+/// Node ids numa_pinned_pool serves (the kernel's usual MAX_NUMNODES on x86-64 distributions).
+inline constexpr int max_numa_pools = 1024;
+
+struct numa_pool_entry {
+    detail::fork_stamp stamp; ///< the process the pool was made in
+    pinned_pool pool;
+};
+
+inline std::atomic<numa_pool_entry*>& numa_pool_slot(int node) noexcept {
+    static std::atomic<numa_pool_entry*> slots[max_numa_pools] = {};
+    return slots[node];
+}
+
+inline std::mutex& numa_pool_mutex() noexcept {
+    static std::mutex m;
+    return m;
+}
+
+} // namespace detail
+
+/// The process-wide pool whose slabs are placed on NUMA node `node` (numa_policy::preferred, so
+/// that a container that forbids mbind still gets page-locked memory). Its cap is the default
+/// pool's (a quarter of the memory the process may use) divided by the number of nodes, so
+/// that the node pools together hold no more than the default pool may. Like
+/// default_pinned_pool(), it lives until the process ends.
+/// @throws usage_error when `node` is no NUMA node of this machine, or in a child process
+///         created by fork() after the pool was made (its memory is registered with the
+///         parent's CUDA context)
+[[nodiscard]] inline pinned_pool& numa_pinned_pool(int node) {
+    if (node < 0 || node >= detail::max_numa_pools) {
+        throw usage_error("numa_pinned_pool: " + std::to_string(node) +
+                          " is no NUMA node of this machine");
+    }
+    std::atomic<detail::numa_pool_entry*>& slot = detail::numa_pool_slot(node);
+    detail::numa_pool_entry* e = slot.load(std::memory_order_acquire);
+    if (e == nullptr) {
+        std::lock_guard lock(detail::numa_pool_mutex());
+        e = slot.load(std::memory_order_acquire);
+        if (e == nullptr) {
+            if (!detail::numa_node_exists(node)) {
+                throw usage_error("numa_pinned_pool: " + std::to_string(node) +
+                                  " is no NUMA node of this machine");
+            }
+            pinned_pool_options opt;
+            opt.upstream = std::make_shared<numa_slab_source>(node, numa_policy::preferred);
+            std::size_t nodes = static_cast<std::size_t>(detail::numa_node_count());
+            opt.max_pinned_bytes = std::max(detail::usable_memory_bytes() / 4 / nodes, 64_MiB);
+            e = new detail::numa_pool_entry{detail::fork_stamp(), pinned_pool(std::move(opt))};
+            slot.store(e, std::memory_order_release);
+        }
+    }
+    if (e->stamp.inherited()) {
+        throw usage_error("cudawait::numa_pinned_pool used in a child process after fork(); "
+                          "CUDA state cannot be inherited: use CUDA in the child only if the "
+                          "parent did not, or exec a new program");
+    }
+    return e->pool;
+}
+
+} // namespace cudawait
