@@ -20,12 +20,17 @@
 //                                                      and for overlap by hand
 //   class group;          ncclGroupStart() now, ncclGroupEnd() at end() or in the destructor
 //
-// Awaiting. The collectives are enqueued at the call (so several ranks driven by one thread
-// can all enqueue before anyone awaits); the returned task awaits the work the stream held at
-// the call, like `co_await stream`, and meanwhile polls the communicator's asynchronous error
-// (ncclCommGetAsyncError) from the scheduler's loop every `poll`. When that reports an error,
-// or `timeout` passes first, the communicator is aborted and the await throws nccl::error
-// (timed_out() for the timeout).
+// Awaiting. The collectives are enqueued at the call; the returned task, once awaited, awaits
+// the work its stream holds at the co_await, like `co_await stream`, and meanwhile polls the
+// communicator's asynchronous error (ncclCommGetAsyncError) from the scheduler's loop every
+// `poll`. When that reports an error, or `timeout` passes first, the communicator is aborted and
+// the await throws nccl::error (timed_out() for the timeout).
+//
+// Several ranks driven by one thread (init_all) must enqueue in one group, as NCCL requires:
+//   std::vector<task<>> ts;
+//   { nccl::group g; for (r...) ts.push_back(nccl::all_reduce(..., comms[r], streams[r]));
+//     g.end(); }
+//   co_await when_all(std::move(ts));        // awaiting inside the open group: usage_error
 //
 // What an abort means for the memory. ncclCommAbort makes NCCL's kernels that still run return
 // early, but it does not cancel the stream: whatever was enqueued before and after the
@@ -636,12 +641,20 @@ private:
 /// The coroutine behind wait(): `work` (an event recorded at the call) is awaited by a detached
 /// coroutine the scheduler tracks, so that a timeout or an async error leaves it tracked until
 /// the GPU completed it.
-inline task<void> await_collective(communicator& comm, cudawait::detail::captured_wait work,
-                                   wait_options opts, const char* api) {
+inline task<void> await_collective(communicator& comm, stream_ref stream, wait_options opts,
+                                   const char* api) {
+    if (this_thread_groups().depth > 0) {
+        throw usage_error(std::string("cudawait::nccl: ") + api +
+                          " awaited inside an open group: the group's work is launched by "
+                          "ncclGroupEnd, so await after group::end()");
+    }
     scheduler& s = co_await this_scheduler();
     if (!scheduler_access::on_loop_thread(s)) {
         co_await s.schedule();
     }
+    // The event is recorded here, at the co_await: after a group's end, it captures the
+    // collectives the group launched.
+    auto work = cudawait::detail::captured_wait::of_stream(stream, std::source_location::current());
     auto st = std::make_shared<wait_state>();
     st->sched = &s;
     st->comm = comm.get();
@@ -689,30 +702,20 @@ inline void finish_enqueue(ncclResult_t r, const communicator& c, const char* ap
     check(r, api, c.get());
 }
 
-inline void require_no_group(const char* api) {
-    if (this_thread_groups().depth > 0) {
-        throw usage_error(std::string("cudawait::nccl::") + api +
-                          ": an awaited collective inside an open group would wait for work "
-                          "that ncclGroupEnd has not launched; use the _async form");
-    }
-}
-
 [[noreturn]] inline void size_mismatch(const char* api, const std::string& what) {
     throw usage_error(std::string("cudawait::nccl::") + api + ": " + what);
 }
 
 } // namespace detail
 
-/// Awaits the work enqueued on `s` before the call, polling `comm`'s asynchronous error
+/// Awaits the work enqueued on `s` before the co_await, polling `comm`'s asynchronous error
 /// meanwhile (see the synopsis): on an error or after `opts.timeout` the communicator is
 /// aborted and the await throws. `comm` must outlive the await.
 /// @throws usage_error (empty communicator), cuda_error at the call; at the co_await: error
 ///         (timed_out() for the timeout), cuda_error for a failure the stream's event reported
 [[nodiscard]] inline task<void> wait(communicator& comm, stream_ref s, wait_options opts = {}) {
     (void)comm.get();
-    return detail::await_collective(
-        comm, cudawait::detail::captured_wait::of_stream(s, std::source_location::current()), opts,
-        "cudawait::nccl::wait");
+    return detail::await_collective(comm, s, opts, "cudawait::nccl::wait");
 }
 
 // ---- enqueue only ----------------------------------------------------------------------------
@@ -787,17 +790,14 @@ void reduce_scatter_async(std::type_identity_t<std::span<const T>> send, std::sp
 // ---- enqueue and await -----------------------------------------------------------------------
 
 /// all_reduce_async at the call, then wait(comm, s, opts) in the returned task.
-/// @throws as all_reduce_async at the call (usage_error inside an open group); as wait() at
-///         the co_await
+/// @throws as all_reduce_async at the call; as wait() at the co_await (and usage_error when a
+///         group is still open on the awaiting thread)
 template <element T>
 [[nodiscard]] task<void> all_reduce(std::type_identity_t<std::span<const T>> send,
                                     std::span<T> recv, ncclRedOp_t op, communicator& comm,
                                     stream_ref s, wait_options opts = {}) {
-    detail::require_no_group("all_reduce");
     all_reduce_async<T>(send, recv, op, comm, s);
-    return detail::await_collective(
-        comm, cudawait::detail::captured_wait::of_stream(s, std::source_location::current()), opts,
-        "ncclAllReduce");
+    return detail::await_collective(comm, s, opts, "ncclAllReduce");
 }
 
 /// broadcast_async at the call, then wait(comm, s, opts). @throws as all_reduce
@@ -805,11 +805,8 @@ template <element T>
 [[nodiscard]] task<void> broadcast(std::type_identity_t<std::span<const T>> send, std::span<T> recv,
                                    int root, communicator& comm, stream_ref s,
                                    wait_options opts = {}) {
-    detail::require_no_group("broadcast");
     broadcast_async<T>(send, recv, root, comm, s);
-    return detail::await_collective(
-        comm, cudawait::detail::captured_wait::of_stream(s, std::source_location::current()), opts,
-        "ncclBroadcast");
+    return detail::await_collective(comm, s, opts, "ncclBroadcast");
 }
 
 /// reduce_async at the call, then wait(comm, s, opts). @throws as all_reduce
@@ -817,11 +814,8 @@ template <element T>
 [[nodiscard]] task<void> reduce(std::type_identity_t<std::span<const T>> send, std::span<T> recv,
                                 ncclRedOp_t op, int root, communicator& comm, stream_ref s,
                                 wait_options opts = {}) {
-    detail::require_no_group("reduce");
     reduce_async<T>(send, recv, op, root, comm, s);
-    return detail::await_collective(
-        comm, cudawait::detail::captured_wait::of_stream(s, std::source_location::current()), opts,
-        "ncclReduce");
+    return detail::await_collective(comm, s, opts, "ncclReduce");
 }
 
 /// all_gather_async at the call, then wait(comm, s, opts). @throws as all_reduce
@@ -829,11 +823,8 @@ template <element T>
 [[nodiscard]] task<void> all_gather(std::type_identity_t<std::span<const T>> send,
                                     std::span<T> recv, communicator& comm, stream_ref s,
                                     wait_options opts = {}) {
-    detail::require_no_group("all_gather");
     all_gather_async<T>(send, recv, comm, s);
-    return detail::await_collective(
-        comm, cudawait::detail::captured_wait::of_stream(s, std::source_location::current()), opts,
-        "ncclAllGather");
+    return detail::await_collective(comm, s, opts, "ncclAllGather");
 }
 
 /// reduce_scatter_async at the call, then wait(comm, s, opts). @throws as all_reduce
@@ -841,11 +832,8 @@ template <element T>
 [[nodiscard]] task<void> reduce_scatter(std::type_identity_t<std::span<const T>> send,
                                         std::span<T> recv, ncclRedOp_t op, communicator& comm,
                                         stream_ref s, wait_options opts = {}) {
-    detail::require_no_group("reduce_scatter");
     reduce_scatter_async<T>(send, recv, op, comm, s);
-    return detail::await_collective(
-        comm, cudawait::detail::captured_wait::of_stream(s, std::source_location::current()), opts,
-        "ncclReduceScatter");
+    return detail::await_collective(comm, s, opts, "ncclReduceScatter");
 }
 
 /// ncclGroupStart at construction, ncclGroupEnd at end(): the *_async calls between them are
