@@ -115,6 +115,8 @@ void set_up() {
             host[i] = value(i, rank);
         }
         check(cudaMemcpy(r->send, host.data(), kMaxBytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+        // The legacy stream's copy may still be landing; the ranks' streams do not wait for it.
+        check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
         w.ranks.push_back(std::move(r));
     }
     w.sched = std::make_unique<cudawait::scheduler>();
@@ -163,7 +165,10 @@ double raw_once(std::size_t count) {
 /// The first awaited run of a size, on poisoned outputs, checked element by element.
 void check_once(std::size_t count) {
     for (auto& r : g_world->ranks) {
+        // On the rank's device, settled before its (non-blocking) stream writes the output.
+        cudawait::device_guard guard{cudawait::device_ref(r->comm.device())};
         check(cudaMemset(r->recv, 0xff, count * sizeof(float)), "cudaMemset");
+        check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     }
     (void)awaited_once(count);
     const std::size_t n = g_world->ranks.size();

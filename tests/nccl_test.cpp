@@ -72,9 +72,14 @@ public:
     [[nodiscard]] std::span<T> slice(std::size_t at, std::size_t n) const {
         return {m_ptr + at, n};
     }
+    // The legacy default stream's cudaMemcpy and cudaMemset may return before the device memory
+    // is written, and the library's streams do not wait for that stream: both end with a device
+    // synchronisation, so a collective enqueued next reads and overwrites settled memory.
     void upload(const std::vector<T>& v) {
+        cudawait::device_guard guard{cudawait::device_ref(m_device)};
         check(cudaMemcpy(m_ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
               "cudaMemcpy");
+        check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     }
     [[nodiscard]] std::vector<T> download() const {
         std::vector<T> v(m_count);
@@ -86,6 +91,7 @@ public:
     void poison() {
         cudawait::device_guard guard{cudawait::device_ref(m_device)};
         check(cudaMemset(m_ptr, 0xff, m_count * sizeof(T)), "cudaMemset");
+        check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     }
 
 private:
