@@ -547,6 +547,52 @@ TEST_F(multi_gpu, acquire_and_next_timeouts_take_nothing_and_keep_the_order) {
     EXPECT_EQ(st.combined.retries + st.combined.fallback_chunks + st.combined.failed_chunks, 0u);
 }
 
+TEST_F(multi_gpu, acquire_skips_a_shard_whose_gpu_was_abandoned) {
+    const std::size_t chunk = 20'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 5; ++i) {
+        chunks.push_back(random_words(chunk - 11 * i, 650 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    multi_pipeline_options o = options_for({0}, 2, chunk, 2);
+    // Shard 0's first chunk hangs past chunk_timeout with no retry: the shard reports it failed
+    // and gives its GPU up (failed_timed_out).
+    o.per_shard.chunk_timeout = 50ms;
+    o.per_shard.max_retries = 0;
+    o.per_shard.on_degrade = [](const cudawait::chunk_failure&) {};
+    multi_t m(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
+    cudawait::scheduler sched;
+    std::vector<std::string> seen;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_chunk(m, chunks[0], 0);
+        co_await submit_chunk(m, chunks[1], 1);
+        try {
+            auto r = co_await m.next(10s);
+            seen.push_back("returned");
+        } catch (const pipeline_error& e) {
+            seen.push_back(e.failed() == std::vector<std::size_t>{0} ? "failed" : e.what());
+        }
+        seen.push_back(right_result(co_await m.next(10s), chunks, 1) ? "right" : "wrong");
+        for (std::size_t i = 2; i < chunks.size(); ++i) {
+            co_await submit_chunk(m, chunks[i], 1); // never shard 0 again
+            auto r = co_await m.next(10s);
+            seen.push_back(right_result(r, chunks, i) && !r->rescued() ? "right" : "wrong");
+        }
+        m.close();
+        EXPECT_FALSE(co_await m.next());
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // the hung kernel ends before teardown
+    EXPECT_EQ(seen, (std::vector<std::string>{"failed", "right", "right", "right", "right"}));
+    auto st = m.stats();
+    EXPECT_TRUE(st.per_shard[0].gpu_abandoned);
+    EXPECT_FALSE(st.per_shard[1].gpu_abandoned);
+    EXPECT_FALSE(st.combined.gpu_abandoned);
+    EXPECT_EQ(st.per_shard[1].gpu_chunks, 4u);
+    EXPECT_EQ(st.combined.failed_chunks, 1u);
+    EXPECT_EQ(st.combined.gpu_chunks, 4u);
+}
+
 // ---- rescue -----------------------------------------------------------------------------------
 
 /// Fails to launch (a non-sticky launch error) when `fails(ctx)` says so, else the transform.
