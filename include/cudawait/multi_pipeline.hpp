@@ -447,6 +447,7 @@ private:
             bool* flag;
             ~running_flag() { *flag = false; }
         } guard{&m_batch_running};
+        refresh_health();
         reset_counts();
         m_batch_failed.clear();
         const pipeline_options& o = m_options.per_shard;
@@ -593,6 +594,16 @@ private:
         }
     }
 
+    // The shards' own flag, which the records above may no longer show (a run or session
+    // starts them anew): read once per batch and per session.
+    void refresh_health() {
+        for (std::size_t j = 0; j < m_shards.size(); ++j) {
+            if (!m_abandoned[j] && m_shards[j]->stats().gpu_abandoned) {
+                m_abandoned[j] = true;
+            }
+        }
+    }
+
     void abandon_device(int dev) {
         for (std::size_t j = 0; j < m_shards.size(); ++j) {
             if (m_shard_devices[j] == dev) {
@@ -614,6 +625,7 @@ private:
         }
         m_stream_rescued.clear();
         m_stream_failed.clear();
+        refresh_health();
         reset_counts();
     }
 
@@ -747,7 +759,7 @@ private:
     // The rescue lanes go after the shards (declared first, destroyed last).
     std::vector<std::unique_ptr<detail::rescue_lane<In, Out>>> m_lanes;
     std::vector<std::unique_ptr<shard_pipeline>> m_shards;
-    std::vector<bool> m_abandoned; ///< known abandoned (note_health), never cleared
+    std::vector<bool> m_abandoned; ///< known abandoned (note_health, refresh_health), for good
     std::size_t m_rescue_next = 0;
     std::size_t m_rescued = 0;
     std::size_t m_failed_rescues = 0;
