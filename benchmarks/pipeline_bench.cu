@@ -53,6 +53,14 @@
 //        BM_stats_timing/light, /heavy      h2d_gbps, d2h_gbps, compute_to_transfer,
 //                                           overlap_efficiency, link_peak_gbps,
 //                                           suggest_chunk_size()
+//   6. Devices, light kernel, 4 GiB, 64 MiB chunks, pinned, depth 3 (one warm-up run of each
+//      variant, then 5 rounds with one run of each, the order rotating every round):
+//        BM_devices/plain_device0           a pipeline<float> on device 0
+//        BM_devices/multi_device0           a multi_pipeline<float> over {0} (one shard)
+//        BM_devices/multi_all_devices       a multi_pipeline<float> over every visible device
+//                                           (registered only where more than one is visible)
+//      Summary: multi_device0 / plain_device0 (>= 0.98: one shard costs nothing), "devices: N",
+//      and with N > 1 multi_all_devices / (N x plain_device0) (for information).
 //
 // GB/s means 10^9 input bytes per second of host wall time (steady_clock around the whole
 // batch, including its synchronisation); every figure in the summary is a median. All variants
@@ -75,6 +83,7 @@
 // for the same reason.
 
 #include <cudawait/cudawait.hpp>
+#include <cudawait/multi_pipeline.hpp>
 #include <cudawait/pipeline.hpp>
 
 #include <algorithm>
@@ -100,6 +109,7 @@ namespace bench {
 using cudawait::check;
 using namespace cudawait::literals;
 using float_pipeline = cudawait::pipeline<float>;
+using float_multi = cudawait::multi_pipeline<float>;
 
 // ---- parameters ------------------------------------------------------------------------------
 
@@ -114,6 +124,7 @@ constexpr unsigned kRawRings[] = {2, 3};
 constexpr unsigned kHeavyDepth = 3;
 constexpr unsigned kHostMemoryDepth = 3;
 constexpr unsigned kStatsDepth = 3;
+constexpr unsigned kDevicesDepth = 3;
 constexpr unsigned kSlots = 3; ///< device slots of the hand-written variants (the largest ring)
 
 /// A chunk size of the table in 3, the input bytes each run moves and the specified depth.
@@ -138,12 +149,16 @@ constexpr double kHeavyTarget = 0.95;  ///< max-stage bound time / library time,
 constexpr double kChunkTarget = 0.85;  ///< 1 MiB / 64 MiB throughput, at least
 constexpr double kTracedTarget = 0.98; ///< traced / untraced library throughput, at least
 
+/// multi_pipeline over {0} / pipeline on device 0, at least: one shard costs nothing.
+constexpr double kOneShardTarget = 0.98;
+
 constexpr const char* kLightVariants[] = {
     "library_depth2",      "library_depth3",       "serial", "raw_ring2", "raw_ring3",
     "bidirectional_bound", "library_depth2_traced"};
 constexpr const char* kHeavyVariants[] = {"library_depth3", "raw_ring3", "h2d_alone",
                                           "kernel_alone",   "d2h_alone", "bidirectional"};
 constexpr const char* kHostVariants[] = {"pinned", "pageable"};
+constexpr const char* kDeviceVariants[] = {"plain_device0", "multi_device0", "multi_all_devices"};
 
 // ---- results shared with the summary printed by main() ---------------------------------------
 
@@ -151,6 +166,9 @@ std::map<std::string, double> g_light_gbps; ///< light variant -> GB/s
 std::map<std::string, double> g_heavy_s;    ///< heavy variant -> seconds per 4 GiB
 std::map<std::string, double> g_chunk_gbps; ///< "<size>/<plain|graph>/d<depth>" -> GB/s
 std::map<std::string, double> g_host_gbps;  ///< "pinned", "pageable" -> GB/s
+
+std::map<std::string, double> g_device_gbps; ///< section 6: devices variant -> GB/s
+int g_devices = 1;                           ///< visible devices, counted at registration
 
 /// One run with options.timing = true.
 struct timed_stats {
@@ -450,6 +468,66 @@ void BM_stats_timing(benchmark::State& state, work wk) {
     });
 }
 
+// ---- 6. devices: multi_pipeline over one device and over all of them -------------------------
+
+std::unique_ptr<float_multi> make_multi(std::vector<int> devices) {
+    cudawait::multi_pipeline_options o;
+    o.devices = std::move(devices);
+    o.per_shard.depth = kDevicesDepth;
+    o.per_shard.chunk_elements = kChunk;
+    std::vector<float_multi::stage> stages;
+    stages.emplace_back(light_stage{});
+    return std::make_unique<float_multi>(std::move(o), std::move(stages));
+}
+
+/// What user code writes: one batch through the multi pipeline.
+cudawait::task<void> run_multi_batch(float_multi* mp, std::span<const float> in,
+                                     std::span<float> out) {
+    co_await mp->run(in, out);
+}
+
+/// One batch of the light work over all of `in` into `out`, poisoned before and checked after
+/// (outside the timing).
+double checked_multi_run(cudawait::scheduler& sched, float_multi& mp, const float* in, float* out,
+                         const std::string& what) {
+    poison(work_data(), work::light, out, kTotal, kChunk);
+    const double secs = time_host([&] {
+        cudawait::sync_wait(sched, run_multi_batch(&mp, {in, kTotal}, {out, kTotal}));
+    });
+    check_output(work_data(), work::light, out, kTotal, kChunk, what);
+    return secs;
+}
+
+runs_by_variant measure_devices() {
+    workload& w = work_data();
+    cudawait::scheduler sched; // declared first: outlives the pipelines
+    const std::unique_ptr<float_pipeline> plain =
+        make_pipeline(work::light, kDevicesDepth, kChunk, false, false);
+    const std::unique_ptr<float_multi> one = make_multi({0});
+    const std::unique_ptr<float_multi> all = g_devices > 1 ? make_multi({}) : nullptr;
+    const std::size_t variants = all ? 3 : 2;
+    const std::span<const char* const> names(kDeviceVariants, variants);
+    return interleaved(kRounds, names, [&](std::size_t v) {
+        const std::string what = std::string("devices/") + kDeviceVariants[v];
+        switch (v) {
+        case 0:
+            return checked_library_run(work::light, sched, *plain, w.in.data(), w.out.data(),
+                                       kTotal, what);
+        case 1:
+            return checked_multi_run(sched, *one, w.in.data(), w.out.data(), what);
+        default:
+            return checked_multi_run(sched, *all, w.in.data(), w.out.data(), what);
+        }
+    });
+}
+
+void BM_devices(benchmark::State& state, std::string variant) {
+    guarded(state, [&] {
+        const double secs = replay_variant(state, "devices", measure_devices, variant, kTotalBytes);
+        g_device_gbps[variant] = gbps(kTotalBytes, secs);
+    });
+}
+
 // ---- setup and summary --------------------------------------------------------------------------
 
 /// Creates the context and the stream-ordered memory pool, so no benchmark pays for them.
@@ -492,6 +570,13 @@ void register_benchmarks() {
     // 5. One iteration: the timed run.
     register_manual("BM_stats_timing/light", 1, &BM_stats_timing, work::light);
     register_manual("BM_stats_timing/heavy", 1, &BM_stats_timing, work::heavy);
+    // 6. Each iteration is one 4 GiB run; all devices only where there are several.
+    g_devices = std::max(1, cudawait::try_device_count());
+    for (const char* v : kDeviceVariants) {
+        if (g_devices > 1 || std::string(v) != "multi_all_devices") {
+            register_manual(std::string("BM_devices/") + v, kRounds, &BM_devices, std::string(v));
+        }
+    }
 }
 
 void print_calibration() {
@@ -720,6 +805,33 @@ void print_stats_summary() {
     }
 }
 
+void print_devices_summary() {
+    if (g_device_gbps.empty()) {
+        return;
+    }
+    std::printf("\n6. Devices, light kernel, 4 GiB, 64 MiB chunks, pinned, depth %u (GB/s, median "
+                "of %lld\n   interleaved rounds)\n",
+                kDevicesDepth, static_cast<long long>(kRounds));
+    for (const char* v : kDeviceVariants) {
+        const auto rate = find(g_device_gbps, v);
+        if (!rate) {
+            continue;
+        }
+        const auto ms = map_value(rate, [](double r) { return kTotalBytes / r * 1e-6; });
+        print_row(v, 22, {{rate, 8, 2, " GB/s"}, {ms, 9, 1, " ms"}});
+    }
+    const auto plain = find(g_device_gbps, "plain_device0");
+    print_ratio("multi_device0 / plain_device0", find(g_device_gbps, "multi_device0"), plain,
+                kOneShardTarget);
+    std::printf("  devices: %d\n", g_devices);
+    if (g_devices > 1) {
+        print_ratio("multi_all_devices / (" + std::to_string(g_devices) +
+                        " x plain_device0) (for information)",
+                    find(g_device_gbps, "multi_all_devices"),
+                    map_value(plain, [](double r) { return r * g_devices; }), std::nullopt);
+    }
+}
+
 void print_summary() {
     std::printf("\n==== pipeline_bench summary (medians; ratios within this run) ====\n");
     print_calibration();
@@ -728,6 +840,7 @@ void print_summary() {
     print_chunk_summary();
     print_host_memory_summary();
     print_stats_summary();
+    print_devices_summary();
     std::printf("\n%zu runs had their output checked against the host reference; all matched\n",
                 g_checked_runs);
     if (g_failures != 0) {
