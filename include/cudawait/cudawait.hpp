@@ -18,6 +18,7 @@
 #include <cudawait/link.hpp>
 #include <cudawait/mapped_buffer.hpp>
 #include <cudawait/memory_kind.hpp>
+#include <cudawait/multi_pipeline.hpp>
 #include <cudawait/numa_pool.hpp>
 #include <cudawait/pinned_buffer.hpp>
 #include <cudawait/pinned_pool.hpp>
