@@ -5,6 +5,8 @@
 #   scripts/gpu_suite.sh [log-dir] [stages...]     stages: build test bench memcheck racecheck
 #                                                  (default: all)
 set -uo pipefail
+# NVLink multicast stays off on these machines; the NCCL tests and examples set it too.
+export NCCL_NVLS_ENABLE=0
 logs=${1:-gpu-logs}
 shift || true
 stages=${*:-build test bench memcheck racecheck}
@@ -65,6 +67,18 @@ if has memcheck; then
   # the host's pace; describe_link's test asks for a device that does not exist on purpose.
   run_memcheck timeline_test '-*overlaps*:*the_demo*' 180
   run_memcheck link_test '-*utilisation*' 180 --report-api-errors no
+  # numa_test asks for a device that does not exist on purpose.
+  run_memcheck numa_test '*' 180 --report-api-errors no
+  # The multi pipeline: its timeout and abandoned-GPU tests time chunks; the rescue tests inject
+  # failing launches (second pass, API errors not reported).
+  multi_failing='*gives_up*:*fails*:*without_a_fallback*:*out_of_range*'
+  run_memcheck multi_pipeline_test "-*timeouts*:*abandoned*:*without_a_device*:$multi_failing" 300
+  run_memcheck multi_pipeline_test "$multi_failing" 300 --report-api-errors no
+  # NCCL: the stall tests time their aborts and the child test starts a process; NCCL probes
+  # features with calls that may fail, so API errors are not reported.
+  if [ -x "$build/tests/nccl_test" ]; then
+    run_memcheck nccl_test '-*times_out*:*child*' 300 --report-api-errors no
+  fi
   # fork_test is not run here: a child forked from a process under compute-sanitizer inherits
   # the sanitizer's state and did not exit within the test's 10 s deadline (it passes in ctest).
   # The watchdog's tests time their reports to 10% of the window, which the sanitizer's slowdown
