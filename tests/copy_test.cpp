@@ -468,55 +468,60 @@ TEST_F(copy_gpu, device_buffers_of_different_sizes_are_a_usage_error) {
     s.sync();
 }
 
-TEST_F(copy_gpu, device_to_device_between_two_devices_is_exact_either_way) {
-    if (cudawait::device_count() < 2) {
-        GTEST_SKIP() << "needs two devices";
-    }
-    cudawait::stream s0{cudawait::device_ref(0)};
-    cudawait::stream s1{cudawait::device_ref(1)};
+// Between the first and the last device (0 and 1 on two GPUs; on one GPU both are device 0,
+// and the plan is then a copy within the device): every direction and stream choice is exact.
+TEST_F(copy_gpu, device_to_device_between_the_first_and_last_device_is_exact_either_way) {
+    const int a = 0;
+    const int b = cudawait::device_count() - 1;
+    cudawait::stream sa{cudawait::device_ref(a)};
+    cudawait::stream sb{cudawait::device_ref(b)};
     const std::size_t n = (7_MiB + 4) / 4;
     const std::size_t bytes = n * sizeof(std::uint32_t);
     auto want = random_words(n, 42);
     auto other = random_words(n, 43);
-    device_buffer<std::uint32_t> on0(n, s0);
-    device_buffer<std::uint32_t> on1(n, s1);
-    device_buffer<std::uint32_t> back0(n, s0);
-    copy_async(on0, want, s0);
+    device_buffer<std::uint32_t> on_a(n, sa);
+    device_buffer<std::uint32_t> on_b(n, sb);
+    device_buffer<std::uint32_t> back_a(n, sa);
+    copy_async(on_a, want, sa);
 
-    int can01 = 0;
-    int can10 = 0;
-    ASSERT_EQ(cudaDeviceCanAccessPeer(&can01, 0, 1), cudaSuccess);
-    ASSERT_EQ(cudaDeviceCanAccessPeer(&can10, 1, 0), cudaSuccess);
-    EXPECT_EQ(cudawait::enable_peer_access(0, 1), can01 != 0);
-    EXPECT_EQ(cudawait::enable_peer_access(1, 0), can10 != 0);
-    EXPECT_EQ(cudawait::enable_peer_access(0, 1), can01 != 0) << "settled once, same answer";
+    if (a != b) {
+        int can_ab = 0;
+        int can_ba = 0;
+        ASSERT_EQ(cudaDeviceCanAccessPeer(&can_ab, a, b), cudaSuccess);
+        ASSERT_EQ(cudaDeviceCanAccessPeer(&can_ba, b, a), cudaSuccess);
+        EXPECT_EQ(cudawait::enable_peer_access(a, b), can_ab != 0);
+        EXPECT_EQ(cudawait::enable_peer_access(b, a), can_ba != 0);
+        EXPECT_EQ(cudawait::enable_peer_access(a, b), can_ab != 0) << "settled once, same answer";
+    } else {
+        EXPECT_TRUE(cudawait::enable_peer_access(a, b)) << "a device reaches its own memory";
+    }
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 
-    auto plan = cudawait::detail::make_plan(on1, on0, copy_options{});
-    EXPECT_EQ(plan.dst_device, 1);
-    EXPECT_EQ(plan.src_device, 0);
-    EXPECT_TRUE(plan.peer());
+    auto plan = cudawait::detail::make_plan(on_b, on_a, copy_options{});
+    EXPECT_EQ(plan.dst_device, b);
+    EXPECT_EQ(plan.src_device, a);
+    EXPECT_EQ(plan.peer(), a != b);
 
-    // 0 -> 1 on the source device's stream, enqueued only.
-    ASSERT_EQ(cudaMemsetAsync(on1.data(), 0xcd, bytes, s1.get()), cudaSuccess);
-    s1.sync();
-    copy_async(on1, on0, s0);
-    s0.sync();
-    EXPECT_EQ(read_back(on1, s1), want) << "0 -> 1 on device 0's stream";
+    // a -> b on the source device's stream, enqueued only.
+    ASSERT_EQ(cudaMemsetAsync(on_b.data(), 0xcd, bytes, sb.get()), cudaSuccess);
+    sb.sync();
+    copy_async(on_b, on_a, sa);
+    sa.sync();
+    EXPECT_EQ(read_back(on_b, sb), want) << "a -> b on a's stream";
 
-    // 1 -> 0 on the source device's stream (device 1), awaited; then 0 -> 1 on the
-    // destination's stream, with other data.
-    ASSERT_EQ(cudaMemsetAsync(back0.data(), 0xcd, bytes, s0.get()), cudaSuccess);
-    s0.sync();
+    // b -> a on the source device's stream, awaited; then a -> b on the destination's stream,
+    // with other data.
+    ASSERT_EQ(cudaMemsetAsync(back_a.data(), 0xcd, bytes, sa.get()), cudaSuccess);
+    sa.sync();
     cudawait::scheduler sched;
-    cudawait::sync_wait(sched, copy(back0, on1, s1));
-    EXPECT_EQ(read_back(back0, s0), want) << "1 -> 0 on device 1's stream";
-    copy_async(on0, other, s0);
-    s0.sync();
-    cudawait::sync_wait(sched, copy(on1, on0, s1));
-    EXPECT_EQ(read_back(on1, s1), other) << "0 -> 1 on device 1's stream";
-    s0.sync();
-    s1.sync();
+    cudawait::sync_wait(sched, copy(back_a, on_b, sb));
+    EXPECT_EQ(read_back(back_a, sa), want) << "b -> a on b's stream";
+    copy_async(on_a, other, sa);
+    sa.sync();
+    cudawait::sync_wait(sched, copy(on_b, on_a, sb));
+    EXPECT_EQ(read_back(on_b, sb), other) << "a -> b on b's stream";
+    sa.sync();
+    sb.sync();
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

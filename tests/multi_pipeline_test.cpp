@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <cudawait/device_buffer.hpp>
 #include <cudawait/mapped_buffer.hpp>
 #include <cudawait/multi_pipeline.hpp>
 #include <cudawait/pinned_buffer.hpp>
@@ -555,6 +556,17 @@ TEST_F(multi_gpu, acquire_skips_a_shard_whose_gpu_was_abandoned) {
     }
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
+    {
+        // The transform kernel is loaded before the flag kernel spins: loaded lazily at its
+        // first launch, behind the spinning kernel, it would wait for that kernel to end.
+        cudawait::stream s;
+        cudawait::device_buffer<u32> a(64, s);
+        cudawait::device_buffer<u32> b(64, s);
+        cudawait::check(
+            cudawait::testing::launch_transform(a.data(), b.data(), 64, salt, 0, s.get()),
+            "launch_transform");
+        s.sync();
+    }
     multi_pipeline_options o = options_for({0}, 2, chunk, 2);
     // Shard 0's first chunk hangs past chunk_timeout with no retry: the shard reports it failed
     // and gives its GPU up (failed_timed_out).
