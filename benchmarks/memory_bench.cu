@@ -64,6 +64,7 @@
 #include <cuda_runtime.h>
 
 #include "bench_support.hpp"
+#include "waste_workload.hpp"
 #include <benchmark/benchmark.h>
 #include <unistd.h>
 
@@ -87,18 +88,6 @@ constexpr double kPinnedTarget = 0.98;     ///< target: cudawait / raw at least 
 constexpr double kPageableH2dTarget = 3.0; ///< target: cudawait / raw at least this
 constexpr double kPageableD2hTarget = 2.0;
 
-constexpr int kWasteOps = 20000; ///< churn: allocate/free operations
-constexpr int kWasteRounds = 30; ///< batches: rounds
-constexpr std::uint64_t kWasteSeed = 0x6d656d6f7279ULL;
-constexpr std::size_t kWasteLiveTarget = 2_GiB; ///< live requested bytes per batch / churn
-constexpr double kWasteAllocProbability = 0.55;
-constexpr std::size_t kWasteMinBytes = 1_KiB;
-constexpr std::size_t kWasteMaxBytes = 64_MiB;
-/// Safety cap on the waste pools (default options otherwise): twice the live target, so a waste
-/// ratio far above the target fails with pool_exhausted instead of pinning the machine's memory.
-constexpr std::size_t kWasteCap = 4_GiB;
-constexpr double kWasteTarget = 1.15; ///< target: peak reserved / peak live at most
-
 enum class direction { h2d, d2h };
 
 /// A copy size and how many rounds (one copy of each variant per round) it is measured for.
@@ -117,17 +106,6 @@ std::map<std::string, double> g_growth_ms;     ///< "pool", "host" -> ms per 1 G
 std::map<std::string, double> g_pinned_gbps;   ///< "<variant>/<size>/<dir>" -> GB/s
 std::map<std::string, double> g_pageable_gbps; ///< "<variant>/<size>/<dir>" -> GB/s
 
-struct waste_result {
-    std::size_t peak_reserved = 0;
-    std::size_t peak_in_use = 0; ///< peak of block sizes handed out (rounded, aligned)
-    std::size_t peak_live = 0;   ///< peak of the sum of live requested sizes
-    std::uint64_t hits = 0;
-    std::uint64_t misses = 0;
-    std::uint64_t growth_count = 0;
-    std::size_t allocations = 0;
-    std::size_t frees = 0;
-    double growth_ms = 0.0;
-};
 std::map<std::string, waste_result> g_waste; ///< "batches", "churn"
 
 // ---- helpers -----------------------------------------------------------------------------------
@@ -474,93 +452,13 @@ void BM_pageable_copy(benchmark::State& state, bool library, std::size_t bytes, 
 
 // ---- 5. waste on a mixed-size workload ----------------------------------------------------------
 
-/// Uniform in [0, 1) from the top 53 bits, the same on every standard library.
-double unit(std::mt19937_64& rng) { return std::ldexp(static_cast<double>(rng() >> 11), -53); }
-
-/// Log-uniform in [kWasteMinBytes, kWasteMaxBytes].
-std::size_t log_uniform_size(std::mt19937_64& rng) {
-    const double lo = std::log(static_cast<double>(kWasteMinBytes));
-    const double hi = std::log(static_cast<double>(kWasteMaxBytes));
-    const auto n = static_cast<std::size_t>(std::exp(lo + (hi - lo) * unit(rng)));
-    return std::clamp(n, kWasteMinBytes, kWasteMaxBytes);
-}
-
-struct live_block {
-    void* ptr;
-    std::size_t bytes;
-};
-
-waste_result run_waste_workload(bool batches) {
-    cudawait::pinned_pool_options options; // the defaults, but for a safety cap
-    options.max_pinned_bytes = kWasteCap;
-    cudawait::pinned_pool pool(options);
-    std::mt19937_64 rng(kWasteSeed);
-    std::vector<live_block> live;
-    std::size_t live_bytes = 0;
-    waste_result r;
-    auto allocate = [&] {
-        const std::size_t n = log_uniform_size(rng);
-        live.push_back({pool.allocate(n), n});
-        live_bytes += n;
-        r.peak_live = std::max(r.peak_live, live_bytes);
-        ++r.allocations;
-    };
-    auto free_one = [&](std::size_t i) {
-        pool.deallocate(live[i].ptr);
-        live_bytes -= live[i].bytes;
-        live[i] = live.back();
-        live.pop_back();
-        ++r.frees;
-    };
-    try {
-        if (batches) {
-            for (int round = 0; round < kWasteRounds; ++round) {
-                while (live_bytes < kWasteLiveTarget) {
-                    allocate();
-                }
-                while (!live.empty()) {
-                    free_one(static_cast<std::size_t>(rng() % live.size()));
-                }
-            }
-        } else {
-            for (int op = 0; op < kWasteOps; ++op) {
-                if (live.empty() ||
-                    (live_bytes < kWasteLiveTarget && unit(rng) < kWasteAllocProbability)) {
-                    allocate();
-                } else {
-                    free_one(static_cast<std::size_t>(rng() % live.size()));
-                }
-            }
-        }
-    } catch (const cudawait::pool_exhausted& e) {
-        for (const live_block& b : live) {
-            pool.deallocate(b.ptr);
-        }
-        throw std::runtime_error("waste workload hit the " + std::to_string(kWasteCap >> 30) +
-                                 " GiB safety cap with " + std::to_string(live_bytes) +
-                                 " live requested bytes (peak " + std::to_string(r.peak_live) +
-                                 "): " + e.what());
-    }
-    for (const live_block& b : live) {
-        pool.deallocate(b.ptr);
-    }
-    const cudawait::pinned_pool_stats s = pool.stats();
-    if (s.peak_requested_bytes != r.peak_live) {
-        throw std::runtime_error("pool's peak_requested_bytes disagrees with the workload's peak");
-    }
-    r.peak_reserved = s.peak_reserved_bytes;
-    r.peak_in_use = s.peak_in_use_bytes;
-    r.hits = s.hits;
-    r.misses = s.misses;
-    r.growth_count = s.growth_count;
-    r.growth_ms = std::chrono::duration<double, std::milli>(s.growth_time).count();
-    return r;
-}
-
 void BM_pool_waste(benchmark::State& state, bool batches) {
     guarded(state, [&] {
         const auto t0 = steady::now();
-        const waste_result r = run_waste_workload(batches);
+        const waste_result r = [&] { // the pool's teardown is timed too
+            cudawait::pinned_pool pool(waste_pool_options());
+            return run_waste_workload(pool, batches);
+        }();
         const double secs = seconds(steady::now() - t0);
         for (auto _ : state) {
             state.SetIterationTime(secs);
