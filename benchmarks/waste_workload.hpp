@@ -82,15 +82,16 @@ inline std::size_t log_uniform_size(std::mt19937_64& rng) {
 
 /// Runs the batches (`batches`) or the churn workload on `pool`, a fresh pinned_pool made with
 /// waste_pool_options() (plus, off the GPU, a host upstream and tracker). Every block is given
-/// back at the end.
+/// back at the end. Other seeds than kWasteSeed show how much the figures owe to one sequence.
 /// @throws std::runtime_error when the pool hits the safety cap or its statistics disagree
 ///         with the workload's
-inline waste_result run_waste_workload(cudawait::pinned_pool& pool, bool batches) {
+inline waste_result run_waste_workload(cudawait::pinned_pool& pool, bool batches,
+                                       std::uint64_t seed = kWasteSeed) {
     struct live_block {
         void* ptr;
         std::size_t bytes;
     };
-    std::mt19937_64 rng(kWasteSeed);
+    std::mt19937_64 rng(seed);
     std::vector<live_block> live;
     std::size_t live_bytes = 0;
     waste_result r;

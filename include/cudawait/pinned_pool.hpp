@@ -336,8 +336,16 @@ struct pinned_pool_options {
     /// may use: physical memory, or its cgroup's memory limit when that is lower (a container's
     /// limit; see detail::cgroup_memory_limit).
     std::size_t max_pinned_bytes = 0;
-    /// Smallest growth step. A request larger than this grows the pool by its own size.
+    /// Growth step of the shared slabs, where requests below own_slab_bytes are placed. One
+    /// larger than this grows the pool by its own size.
     std::size_t slab_bytes = 64_MiB;
+    /// Requests of at least this many bytes that find no room grow the pool by a slab of
+    /// their own size (in 2 MiB steps), which smaller requests never use; a later request
+    /// reuses room there only if it is at most a quarter (plus 2 MiB) larger than it. Empty
+    /// slabs are given back before the pool grows past its peak. This keeps the page-locked
+    /// bytes near the live bytes under churn of mixed sizes. 0: every request grows the
+    /// shared slabs.
+    std::size_t own_slab_bytes = 8_MiB;
     /// Requests of at least this many bytes start on a 2 MiB boundary.
     std::size_t large_block_bytes = 2_MiB;
     /// nullptr: a registered_slab_source.
@@ -614,7 +622,7 @@ public:
         }
         {
             std::lock_guard lock(m_mutex);
-            if (block* b = m_heap.allocate(size, align)) {
+            if (block* b = place(size, align)) {
                 ++m_hits;
                 return hand_out(b, bytes);
             }
@@ -709,7 +717,7 @@ public:
                 throw pool_exhausted(bytes - held, m_in_use, m_pending_bytes,
                                      m_options.max_pinned_bytes);
             }
-            grow(lock, step);
+            grow(lock, step, shared_arena);
         }
     }
 
@@ -805,6 +813,8 @@ private:
 
     static constexpr std::size_t slab_alignment = 2_MiB;
     static constexpr std::size_t max_request = std::size_t{1} << 46;
+    static constexpr unsigned shared_arena = 0; ///< slab_bytes slabs and reserve()'s
+    static constexpr unsigned own_arena = 1;    ///< slabs sized to one request
 
     void* do_allocate(std::size_t bytes, std::size_t alignment) override {
         return allocate(bytes, alignment);
@@ -812,6 +822,32 @@ private:
     void do_deallocate(void* p, std::size_t, std::size_t) override { deallocate(p); }
     bool do_is_equal(const std::pmr::memory_resource& other) const noexcept override {
         return this == &other;
+    }
+
+    // Where a request is placed, under the lock: nullptr when nothing free holds it.
+    //
+    // Why own slabs: under churn (blocks of 1 KiB to 64 MiB freed in random order, live bytes
+    // near steady) the holes large blocks leave in shared 64 MiB slabs are soon cut up by
+    // smaller ones, and the next large request finds no hole that holds it: the pool grew to
+    // 1.43x the live bytes, and best fit among the same slabs did no better than 1.37x. Blocks
+    // of own_slab_bytes and more therefore live in slabs of their own (arena 1, sized to the
+    // request) that small requests never cut up, and reuse a free block there only when it is
+    // at most a quarter plus 2 MiB larger, so the room they hold stays close to what they use;
+    // an empty own slab that is never reused is given back before the pool would grow past its
+    // peak (allocate_slow). A large request also takes room in the shared slabs (arena 0): what
+    // reserve() set aside serves it without growing.
+    block* place(std::size_t size, std::size_t align) {
+        if (own_slab(size)) {
+            if (block* b =
+                    m_heap.allocate(size, align, own_arena, size + size / 4 + slab_alignment)) {
+                return b;
+            }
+        }
+        return m_heap.allocate(size, align, shared_arena);
+    }
+
+    [[nodiscard]] bool own_slab(std::size_t size) const noexcept {
+        return m_options.own_slab_bytes != 0 && size >= m_options.own_slab_bytes;
     }
 
     // Under the lock.
@@ -964,11 +1000,12 @@ private:
         const std::size_t need = heap::round_up(size, slab_alignment);
         const std::size_t cap = m_options.max_pinned_bytes;
         bool released = false;
+        bool trimmed = false;
         bool waited = false;
         std::chrono::steady_clock::time_point deadline;
         std::chrono::microseconds poll(20);
         for (;;) {
-            if (block* b = m_heap.allocate(size, align)) {
+            if (block* b = place(size, align)) {
                 ++m_hits;
                 return hand_out(b, bytes);
             }
@@ -986,10 +1023,21 @@ private:
                 wait_while(lock, [this] { return m_growing != 0; });
                 continue;
             }
+            // A growth that would take the pool past its peak gives empty slabs back first:
+            // they hold nothing and, being empty and too small or (own slabs) too large for
+            // this request, they would only add to the peak.
+            const std::size_t want = own_slab(size) ? need : std::max(need, m_options.slab_bytes);
+            if (!trimmed && m_reserved + want > m_peak_reserved) {
+                trimmed = true;
+                if (release_unused(lock) != 0) {
+                    continue;
+                }
+            }
             if (m_reserved + need <= cap) {
-                std::size_t step = std::min(std::max(need, m_options.slab_bytes), cap - m_reserved);
-                grow(lock, step / slab_alignment * slab_alignment);
-                if (block* b = m_heap.allocate(size, align)) { // the new slab holds it
+                std::size_t step = std::min(want, cap - m_reserved);
+                grow(lock, step / slab_alignment * slab_alignment,
+                     own_slab(size) ? own_arena : shared_arena);
+                if (block* b = place(size, align)) { // the new slab holds it
                     ++m_misses;
                     return hand_out(b, bytes);
                 }
@@ -1029,7 +1077,7 @@ private:
 
     // Adds a slab of `step` bytes. Called and returns with `lock` held; the upstream is called
     // without it, and m_growing tells other threads that memory is on its way.
-    void grow(std::unique_lock<std::mutex>& lock, std::size_t step) {
+    void grow(std::unique_lock<std::mutex>& lock, std::size_t step, unsigned arena) {
         m_growing += step;
         lock.unlock();
         auto start = std::chrono::steady_clock::now();
@@ -1047,7 +1095,7 @@ private:
         m_growing -= step;
         notify_waiters();
         try {
-            m_heap.add_region(static_cast<std::byte*>(p), step);
+            m_heap.add_region(static_cast<std::byte*>(p), step, nullptr, arena);
         } catch (...) {
             lock.unlock();
             m_options.upstream->deallocate(p, step);

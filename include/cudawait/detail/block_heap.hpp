@@ -5,7 +5,9 @@
 //
 //   block_heap<Extra>  a two-level segregated-fit allocator over address ranges ("regions"):
 //                      O(1) allocate and free, immediate coalescing with both neighbours, blocks
-//                      split to the request's size (256-byte granules, no power-of-two rounding)
+//                      split to the request's size (256-byte granules, no power-of-two rounding);
+//                      regions belong to one of arena_count arenas, each with its own free
+//                      lists, so that an owner can keep kinds of blocks apart
 //   ptr_map<V>         an open-addressing map from a block's address to V; no allocation once
 //                      it has grown to the working set, so the pool's hit path makes no syscall
 //
@@ -132,6 +134,8 @@ class block_heap {
 public:
     /// Every block's size and address are multiples of this.
     static constexpr std::size_t granule = 256;
+    /// Regions are kept apart in this many arenas: a request is served from one arena only.
+    static constexpr unsigned arena_count = 2;
 
     struct region;
 
@@ -143,6 +147,7 @@ public:
         block* prev_free = nullptr; ///< links of the size class's free list
         block* next_free = nullptr;
         region* owner = nullptr;
+        unsigned arena = 0; ///< owner->arena, kept here to spare the free lists a load
         bool is_free = false;
     };
 
@@ -151,23 +156,29 @@ public:
         std::size_t bytes = 0;
         block* first = nullptr;
         void* tag = nullptr; ///< the owner's handle for the range (for instance the upstream's)
+        unsigned arena = 0;  ///< which free lists its free blocks are in
     };
 
     block_heap() = default;
     block_heap(const block_heap&) = delete;
     block_heap& operator=(const block_heap&) = delete;
 
-    /// Adds [base, base + bytes) as one free block. `base` and `bytes` must be granule multiples.
-    region* add_region(std::byte* base, std::size_t bytes, void* tag = nullptr) {
+    /// Adds [base, base + bytes) as one free block of `arena`'s free lists. `base` and `bytes`
+    /// must be granule multiples.
+    region* add_region(std::byte* base, std::size_t bytes, void* tag = nullptr,
+                       unsigned arena = 0) {
+        assert(arena < arena_count);
         assert(reinterpret_cast<std::uintptr_t>(base) % granule == 0 && bytes % granule == 0);
         auto r = std::make_unique<region>();
         r->base = base;
         r->bytes = bytes;
         r->tag = tag;
+        r->arena = arena;
         block* b = new_block();
         b->ptr = base;
         b->size = bytes;
         b->owner = r.get();
+        b->arena = arena;
         r->first = b;
         region* raw = r.get();
         // Kept sorted by address: lookups of interior pointers binary-search it.
@@ -203,22 +214,32 @@ public:
     }
 
     /// A used block of at least `bytes` (rounded to granules) starting at a multiple of `align`
-    /// (a power of two, at least `granule`), or nullptr when no free block fits.
-    [[nodiscard]] block* allocate(std::size_t bytes, std::size_t align) {
+    /// (a power of two, at least `granule`), cut from a free block of `arena`'s regions of at
+    /// most `max_block` bytes, or nullptr when no such block fits. The search is good fit: the
+    /// smallest size class that holds the request, so `max_block` costs no extra search.
+    [[nodiscard]] block* allocate(std::size_t bytes, std::size_t align, unsigned arena = 0,
+                                  std::size_t max_block = ~std::size_t{0}) {
+        assert(arena < arena_count);
+        if (m_lists[arena].fl_bitmap == 0) {
+            return nullptr; // an arena with nothing free: a bitmap test, not three searches
+        }
         bytes = round_up(bytes, granule);
-        block* b = find_fit(bytes);
+        block* b = find_fit(arena, bytes);
         if (b != nullptr && padding(b, align) + bytes > b->size) {
             b = nullptr;
         }
         if (b == nullptr && align > granule) {
-            b = find_fit(bytes + align - granule);
+            b = find_fit(arena, bytes + align - granule);
+        }
+        if (b != nullptr && b->size > max_block) {
+            b = nullptr;
         }
         if (b == nullptr) {
             // The segregated search only looks at classes whose every block fits; a block in a
             // class it skipped may fit too (a fresh slab of just the right size).
-            b = scan_classes(bytes, align);
+            b = scan_classes(arena, bytes, align);
         }
-        if (b == nullptr) {
+        if (b == nullptr || b->size > max_block) {
             return nullptr;
         }
         remove_free(b);
@@ -341,35 +362,40 @@ private:
         return map(u * granule);
     }
 
-    block* find_fit(std::size_t bytes) noexcept {
+    block* find_fit(unsigned arena, std::size_t bytes) noexcept {
+        lists& a = m_lists[arena];
         index i = map_search(bytes);
         if (i.fl >= fl_count) {
             return nullptr;
         }
-        std::uint32_t sl_map = m_sl_bitmap[i.fl] & (~std::uint32_t{0} << i.sl);
+        std::uint32_t sl_map = a.sl_bitmap[i.fl] & (~std::uint32_t{0} << i.sl);
         if (sl_map == 0) {
             std::uint64_t fl_map =
-                i.fl + 1 >= 64 ? 0 : (m_fl_bitmap & (~std::uint64_t{0} << (i.fl + 1)));
+                i.fl + 1 >= 64 ? 0 : (a.fl_bitmap & (~std::uint64_t{0} << (i.fl + 1)));
             if (fl_map == 0) {
                 return nullptr;
             }
             i.fl = static_cast<unsigned>(std::countr_zero(fl_map));
-            sl_map = m_sl_bitmap[i.fl];
+            sl_map = a.sl_bitmap[i.fl];
         }
         i.sl = static_cast<unsigned>(std::countr_zero(sl_map));
-        return m_heads[i.fl][i.sl];
+        return a.heads[i.fl][i.sl];
     }
 
     // Every class that may hold a block of at least `bytes` the rounded searches skipped:
     // from the request's own class up to the class of the request plus its worst padding.
-    block* scan_classes(std::size_t bytes, std::size_t align) const noexcept {
+    block* scan_classes(unsigned arena, std::size_t bytes, std::size_t align) const noexcept {
         index lo = map(bytes);
         index hi = map(bytes + align - granule);
+        const lists& a = m_lists[arena];
         for (unsigned fl = lo.fl; fl <= hi.fl && fl < fl_count; ++fl) {
+            if (a.sl_bitmap[fl] == 0) {
+                continue; // the usual case on the hit path: nothing to walk
+            }
             unsigned first = fl == lo.fl ? lo.sl : 0;
             unsigned last = fl == hi.fl ? hi.sl : sl_count - 1;
             for (unsigned sl = first; sl <= last; ++sl) {
-                for (block* b = m_heads[fl][sl]; b != nullptr; b = b->next_free) {
+                for (block* b = a.heads[fl][sl]; b != nullptr; b = b->next_free) {
                     if (padding(b, align) + bytes <= b->size) {
                         return b;
                     }
@@ -385,33 +411,35 @@ private:
     }
 
     void insert_free(block* b) noexcept {
+        lists& a = m_lists[b->arena];
         index i = map(b->size);
         b->is_free = true;
         b->prev_free = nullptr;
-        b->next_free = m_heads[i.fl][i.sl];
+        b->next_free = a.heads[i.fl][i.sl];
         if (b->next_free != nullptr) {
             b->next_free->prev_free = b;
         }
-        m_heads[i.fl][i.sl] = b;
-        m_sl_bitmap[i.fl] |= std::uint32_t{1} << i.sl;
-        m_fl_bitmap |= std::uint64_t{1} << i.fl;
+        a.heads[i.fl][i.sl] = b;
+        a.sl_bitmap[i.fl] |= std::uint32_t{1} << i.sl;
+        a.fl_bitmap |= std::uint64_t{1} << i.fl;
         m_free_bytes += b->size;
     }
 
     void remove_free(block* b) noexcept {
+        lists& a = m_lists[b->arena];
         index i = map(b->size);
         if (b->prev_free != nullptr) {
             b->prev_free->next_free = b->next_free;
         } else {
-            m_heads[i.fl][i.sl] = b->next_free;
+            a.heads[i.fl][i.sl] = b->next_free;
         }
         if (b->next_free != nullptr) {
             b->next_free->prev_free = b->prev_free;
         }
-        if (m_heads[i.fl][i.sl] == nullptr) {
-            m_sl_bitmap[i.fl] &= ~(std::uint32_t{1} << i.sl);
-            if (m_sl_bitmap[i.fl] == 0) {
-                m_fl_bitmap &= ~(std::uint64_t{1} << i.fl);
+        if (a.heads[i.fl][i.sl] == nullptr) {
+            a.sl_bitmap[i.fl] &= ~(std::uint32_t{1} << i.sl);
+            if (a.sl_bitmap[i.fl] == 0) {
+                a.fl_bitmap &= ~(std::uint64_t{1} << i.fl);
             }
         }
         b->is_free = false;
@@ -425,6 +453,7 @@ private:
         r->ptr = b->ptr + at;
         r->size = b->size - at;
         r->owner = b->owner;
+        r->arena = b->arena;
         r->prev_phys = b;
         r->next_phys = b->next_phys;
         if (b->next_phys != nullptr) {
@@ -470,9 +499,14 @@ private:
 
     static constexpr std::size_t chunk_blocks = 256;
 
-    std::uint64_t m_fl_bitmap = 0;
-    std::uint32_t m_sl_bitmap[fl_count] = {};
-    block* m_heads[fl_count][sl_count] = {};
+    // One set of segregated free lists per arena.
+    struct lists {
+        std::uint64_t fl_bitmap = 0;
+        std::uint32_t sl_bitmap[fl_count] = {};
+        block* heads[fl_count][sl_count] = {};
+    };
+
+    lists m_lists[arena_count];
     std::size_t m_free_bytes = 0;
     std::vector<std::unique_ptr<region>> m_regions;
     std::vector<std::unique_ptr<block[]>> m_chunks;
