@@ -166,6 +166,147 @@ TEST(block_heap, an_aligned_request_finds_a_block_whose_class_the_padded_search_
     heap.free(small);
 }
 
+// Every byte of every region is in exactly one block, the blocks of a region tile it in address
+// order, no two free blocks are neighbours (freeing coalesces), and the free bytes add up.
+void expect_heap_consistent(const test_heap& heap) {
+    std::size_t free_bytes = 0;
+    for (const auto& r : heap.regions()) {
+        std::byte* at = r->base;
+        const test_heap::block* prev = nullptr;
+        for (const test_heap::block* b = r->first; b != nullptr; b = b->next_phys) {
+            ASSERT_EQ(b->ptr, at) << "a gap or an overlap inside a region";
+            ASSERT_EQ(b->owner, r.get());
+            ASSERT_EQ(b->arena, r->arena);
+            ASSERT_EQ(b->prev_phys, prev);
+            ASSERT_GT(b->size, 0u);
+            ASSERT_EQ(b->size % test_heap::granule, 0u);
+            if (prev != nullptr) {
+                ASSERT_FALSE(prev->is_free && b->is_free) << "two free neighbours not merged";
+            }
+            if (b->is_free) {
+                free_bytes += b->size;
+            }
+            at += b->size;
+            prev = b;
+        }
+        ASSERT_EQ(at, r->base + r->bytes) << "the blocks do not cover the region";
+    }
+    ASSERT_EQ(heap.free_bytes(), free_bytes);
+}
+
+TEST(block_heap, a_request_is_served_only_from_its_own_arenas_regions) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    test_heap::region* shared = heap.add_region(base, 4_MiB, nullptr, 0);
+    test_heap::region* own = heap.add_region(base + 1_GiB, 64_MiB, nullptr, 1);
+    EXPECT_EQ(own->arena, 1u);
+    // The 64 MiB region is free, but in the other arena.
+    EXPECT_EQ(heap.allocate(8_MiB, 256, 0), nullptr);
+    test_heap::block* a = heap.allocate(1_MiB, 256, 0);
+    ASSERT_NE(a, nullptr);
+    EXPECT_EQ(a->owner, shared);
+    test_heap::block* b = heap.allocate(8_MiB, 2_MiB, 1);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(b->owner, own);
+    EXPECT_EQ(b->ptr, base + 1_GiB);
+    // Arena 0 has 3 MiB left; its requests never spill into arena 1's 56 MiB.
+    test_heap::block* c = heap.allocate(3_MiB, 256, 0);
+    ASSERT_NE(c, nullptr);
+    EXPECT_EQ(c->owner, shared);
+    EXPECT_EQ(heap.allocate(256, 256, 0), nullptr);
+    expect_heap_consistent(heap);
+    heap.free(a);
+    heap.free(b);
+    heap.free(c);
+    EXPECT_TRUE(test_heap::region_unused(shared));
+    EXPECT_TRUE(test_heap::region_unused(own));
+    expect_heap_consistent(heap);
+}
+
+TEST(block_heap, a_free_block_larger_than_max_block_is_not_cut) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    heap.add_region(base, 20_MiB, nullptr, 1);
+    EXPECT_EQ(heap.allocate(12_MiB, 2_MiB, 1, 17_MiB), nullptr) << "20 MiB > 17 MiB";
+    EXPECT_EQ(heap.free_bytes(), 20_MiB) << "a refused request changes nothing";
+    test_heap::block* b = heap.allocate(12_MiB, 2_MiB, 1, 20_MiB);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(b->ptr, base);
+    EXPECT_EQ(b->size, 12_MiB);
+    // The 8 MiB left over is within bounds for a 7 MiB request.
+    test_heap::block* c = heap.allocate(7_MiB, 2_MiB, 1, 7_MiB + 7_MiB / 4 + 2_MiB);
+    ASSERT_NE(c, nullptr);
+    EXPECT_EQ(c->ptr, base + 12_MiB);
+    expect_heap_consistent(heap);
+    heap.free(b);
+    heap.free(c);
+    EXPECT_EQ(heap.largest_free(), 20_MiB);
+}
+
+// Random allocate/free in two arenas, with random bounds on the block cut: after every step the
+// regions are tiled exactly, blocks are aligned, disjoint and from their arena, and free
+// neighbours are merged; at the end every region is one free block again.
+TEST(block_heap, churn_in_two_arenas_keeps_every_invariant) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    std::size_t total = 0;
+    for (unsigned i = 0; i < 6; ++i) {
+        std::size_t bytes = (i % 2 == 0 ? 64_MiB : 2_MiB * (3 + 5 * i));
+        heap.add_region(base + i * 1_GiB, bytes, nullptr, i % 2);
+        total += bytes;
+    }
+    std::mt19937_64 rng(11);
+    std::map<std::byte*, test_heap::block*> live;
+    std::size_t live_bytes = 0;
+    for (int step = 0; step < 6000; ++step) {
+        if (live.empty() || rng() % 100 < 55) {
+            unsigned arena = static_cast<unsigned>(rng() % 2);
+            std::size_t size = arena == 0 ? 1 + rng() % 4_MiB : 8_MiB + rng() % 24_MiB;
+            std::size_t align = size >= 2_MiB ? 2_MiB : std::size_t{256} << (rng() % 3);
+            std::size_t max_block = rng() % 2 == 0 ? ~std::size_t{0} : size + size / 4 + 2_MiB;
+            test_heap::block* b = heap.allocate(size, align, arena, max_block);
+            if (b == nullptr) {
+                continue;
+            }
+            ASSERT_EQ(b->arena, arena);
+            ASSERT_EQ(b->owner->arena, arena);
+            ASSERT_GE(b->size, size);
+            ASSERT_LT(b->size, size + 256 + 1);
+            ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b->ptr) % align, 0u);
+            auto next = live.lower_bound(b->ptr);
+            if (next != live.end()) {
+                ASSERT_LE(b->ptr + b->size, next->first);
+            }
+            if (next != live.begin()) {
+                auto prev = std::prev(next);
+                ASSERT_LE(prev->first + prev->second->size, b->ptr);
+            }
+            live.emplace(b->ptr, b);
+            live_bytes += b->size;
+        } else {
+            auto it = live.begin();
+            std::advance(it, static_cast<long>(rng() % live.size()));
+            live_bytes -= it->second->size;
+            heap.free(it->second);
+            live.erase(it);
+        }
+        ASSERT_EQ(heap.free_bytes() + live_bytes, total);
+        if (step % 16 == 0) {
+            expect_heap_consistent(heap);
+            if (::testing::Test::HasFatalFailure()) {
+                return;
+            }
+        }
+    }
+    for (auto& [p, b] : live) {
+        heap.free(b);
+    }
+    expect_heap_consistent(heap);
+    for (const auto& r : heap.regions()) {
+        EXPECT_TRUE(test_heap::region_unused(r.get()));
+    }
+}
+
 // ---- ptr_map ----------------------------------------------------------------------------------
 
 TEST(ptr_map, matches_a_standard_map_under_random_inserts_and_erases) {
