@@ -3,6 +3,7 @@
 
 // Synopsis
 //   pinned_pool pool;                    page-locked host memory, grown rarely in large slabs
+//                                        (requests of 8 MiB and more: in slabs of their own)
 //   pool.reserve(1 << 30);               grow once, up front (slabs are pre-faulted on several
 //                                        threads, then registered with cudaHostRegister)
 //   void* p = pool.allocate(bytes);      O(1), no CUDA call and no syscall when memory is cached
@@ -519,7 +520,11 @@ struct pool_block_extra {
 ///
 /// Blocks come from large slabs (64 MiB by default; `reserve` grows by exactly what it is told)
 /// and are sub-allocated by a two-level segregated fit with coalescing: O(1), blocks rounded to
-/// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary.
+/// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary. Requests of
+/// own_slab_bytes (8 MiB) and more that find no room grow slabs of their own size instead,
+/// which smaller requests never cut up, and empty slabs go back before the pool grows past its
+/// peak (see pinned_pool_options::own_slab_bytes): under churn of mixed sizes the pool then
+/// holds about 1.2x the live bytes, not 1.4x.
 ///
 /// A freed block on which record_use() was called is handed out again only once every stream
 /// that used it passed the recorded point. Until then it is pending. Pending blocks are checked
