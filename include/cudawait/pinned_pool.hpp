@@ -340,13 +340,6 @@ struct pinned_pool_options {
     /// Growth step of the shared slabs, where requests below own_slab_bytes are placed. One
     /// larger than this grows the pool by its own size.
     std::size_t slab_bytes = 64_MiB;
-    /// Requests of at least this many bytes that find no room grow the pool by a slab of
-    /// their own size (in 2 MiB steps), which smaller requests never use; a later request
-    /// reuses room there only if it is at most a quarter (plus 2 MiB) larger than it. Empty
-    /// slabs are given back before the pool grows past its peak. This keeps the page-locked
-    /// bytes near the live bytes under churn of mixed sizes. 0: every request grows the
-    /// shared slabs.
-    std::size_t own_slab_bytes = 8_MiB;
     /// Requests of at least this many bytes start on a 2 MiB boundary.
     std::size_t large_block_bytes = 2_MiB;
     /// nullptr: a registered_slab_source.
@@ -359,6 +352,14 @@ struct pinned_pool_options {
     /// free ends a wait at once. There is no wait when nothing is pending or when the bytes in
     /// use plus the request exceed the cap: no block would come back. Zero: never wait.
     std::chrono::nanoseconds cap_wait = std::chrono::seconds(1);
+    /// Requests of at least this many bytes that find no room grow the pool by a slab of
+    /// their own size (in 2 MiB steps), which smaller requests never use; a later request
+    /// reuses room there only if it is at most a quarter (plus 2 MiB) larger than it. With the
+    /// pool's rule that empty slabs go back before it grows past its peak (whatever this
+    /// field), this keeps the page-locked bytes near the live bytes under churn of mixed sizes.
+    /// 0: no own slabs, every growth is a shared slab. (Last among the fields, so that
+    /// initialisers of the older ones stay valid.)
+    std::size_t own_slab_bytes = 8_MiB;
 };
 
 /// What a pool has done so far.
