@@ -1030,8 +1030,8 @@ private:
                 continue;
             }
             // A growth that would take the pool past its peak gives empty slabs back first:
-            // they hold nothing and, being empty and too small or (own slabs) too large for
-            // this request, they would only add to the peak.
+            // they hold nothing and are of no use to this request (too small, or an own slab
+            // too large for it, or of the other arena), so keeping them only adds to the peak.
             const std::size_t want = own_slab(size) ? need : std::max(need, m_options.slab_bytes);
             if (!trimmed && m_reserved + want > m_peak_reserved) {
                 trimmed = true;
