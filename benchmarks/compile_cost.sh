@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # What cudawait's headers cost each translation unit that includes them, under nvcc and g++.
-#   benchmarks/compile_cost.sh [--runs N] [--headers]
+#   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu] [--only nvcc|g++]
 #     --runs N     best of N wall times per compile (default 3); the runs are interleaved, so
 #                  load from other work on the machine spreads over every subject alike
 #     --headers    also time each public header on its own (nccl.hpp only where nccl.h is found)
+#     --cpu        CPU seconds (user + system) instead of wall seconds: steadier on a busy machine
+#     --only C     time one compiler only
 # For each subject it compiles a one-line TU (`#include <cudawait/...>` + `int main(){}`) and its
 # floor: a TU that includes exactly the standard, system and CUDA headers that cudawait's own
 # headers include (found by `g++ -H`: the non-cudawait headers whose includer is a cudawait
@@ -17,12 +19,14 @@
 set -euo pipefail
 
 usage() {
-    sed -n '3,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '3,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
 runs=3
 per_header=0
+clock=wall
+compilers=(nvcc g++)
 while (($# > 0)); do
     case "$1" in
     --runs)
@@ -30,6 +34,11 @@ while (($# > 0)); do
         shift
         ;;
     --headers) per_header=1 ;;
+    --cpu) clock=cpu ;;
+    --only)
+        compilers=("$2")
+        shift
+        ;;
     -h | --help) usage ;;
     *) echo "compile_cost.sh: unknown argument $1" >&2 && usage ;;
     esac
@@ -150,17 +159,31 @@ printf '#include <coroutine>\n#include <cuda_runtime.h>\nint main() {}\n' >"${wo
 cp "${work}/reference.cpp" "${work}/reference.cu"
 
 declare -A best
+# now VAR: sets VAR to the wall clock, or to the CPU seconds the finished children of this
+# shell have used (`times` in this shell: in a $(...) subshell it would see none).
+now() {
+    if [[ "${clock}" == wall ]]; then
+        printf -v "$1" '%s' "${EPOCHREALTIME}"
+    else
+        times >"${work}/times"
+        printf -v "$1" '%s' "$(sed -n 2p "${work}/times" | awk '{
+            n = 0
+            for (i = 1; i <= 2; ++i) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
+            printf "%.3f", n
+        }')"
+    fi
+}
 # timed KEY COMMAND...: runs the compile, keeps the least wall time under KEY.
 timed() {
     local key="$1" start end seconds
     shift
-    start="${EPOCHREALTIME}"
+    now start
     if ! "$@" >"${work}/log" 2>&1; then
         echo "compile_cost.sh: failed: $*" >&2
         cat "${work}/log" >&2
         exit 1
     fi
-    end="${EPOCHREALTIME}"
+    now end
     seconds="$(awk -v s="${start}" -v e="${end}" 'BEGIN { printf "%.3f", e - s }')"
     if [[ -z "${best[${key}]:-}" ]] ||
         awk -v a="${seconds}" -v b="${best[${key}]}" 'BEGIN { exit !(a < b) }'; then
@@ -173,12 +196,16 @@ compile_all() {
     for name in "${subjects[@]}" reference; do
         for tu in "${name}" "${name}_floor"; do
             [[ -e "${work}/${tu}.cpp" ]] || continue
-            # shellcheck disable=SC2086 # extra flags are words
-            timed "nvcc/${tu}" "${nvcc}" "${nvcc_flags[@]}" ${extra[${name}]:-} -c \
-                "${work}/${tu}.cu" -o "${work}/out.o"
-            # shellcheck disable=SC2086
-            timed "g++/${tu}" "${cxx}" "${cxx_flags[@]}" ${extra[${name}]:-} -c \
-                "${work}/${tu}.cpp" -o "${work}/out.o"
+            if [[ " ${compilers[*]} " == *" nvcc "* ]]; then
+                # shellcheck disable=SC2086 # extra flags are words
+                timed "nvcc/${tu}" "${nvcc}" "${nvcc_flags[@]}" ${extra[${name}]:-} -c \
+                    "${work}/${tu}.cu" -o "${work}/out.o"
+            fi
+            if [[ " ${compilers[*]} " == *" g++ "* ]]; then
+                # shellcheck disable=SC2086
+                timed "g++/${tu}" "${cxx}" "${cxx_flags[@]}" ${extra[${name}]:-} -c \
+                    "${work}/${tu}.cpp" -o "${work}/out.o"
+            fi
         done
     done
 }
@@ -187,12 +214,12 @@ for ((run = 1; run <= runs; ++run)); do
     compile_all
 done
 
-echo "cudawait compile cost: best of ${runs} wall seconds per TU ($(nproc) cores)"
-echo "  nvcc: $("${nvcc}" --version | sed -n '$p')"
-echo "  g++:  $("${cxx}" --version | sed -n 1p)"
+echo "cudawait compile cost: best of ${runs} ${clock} seconds per TU ($(nproc) cores)"
+echo "  nvcc: $("${nvcc}" --version | sed -n '$p'): ${nvcc_flags[*]}"
+echo "  g++:  $("${cxx}" --version | sed -n 1p): ${cxx_flags[*]}"
 echo "floor = the standard, system and CUDA headers the subject's cudawait headers include"
 printf '%-9s %-15s %8s %8s %7s %7s  %s\n' compiler subject headers floor ratio target ""
-for compiler in nvcc g++; do
+for compiler in "${compilers[@]}"; do
     for name in "${subjects[@]}"; do
         case "${name}" in
         umbrella) target=1.5 ;;
