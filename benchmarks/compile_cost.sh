@@ -121,7 +121,18 @@ floor() {
         while read -r path; do
             path="$(realpath "${path}")"
             printf '#include <%s>\n' "$(spelling "${path}")"
-        done | awk '!seen[$0]++' >"${work}/${name}_floor.cpp"
+        done | awk '!seen[$0]++' >"${work}/${name}_floor.includes"
+    # The configuration macros cudawait's headers set for those headers (pinned_pool.hpp's
+    # LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE switches libcu++'s cuda::mr on): defined
+    # alike in the floor, so it compiles the same declarations.
+    local defined
+    defined="$("${cxx}" -std=c++20 "${includes[@]}" "$@" -dM -E "${work}/${name}.cpp")"
+    : >"${work}/${name}_floor.cpp"
+    grep -rhoE '^#define [A-Za-z_][A-Za-z0-9_]*' "${root}/include/cudawait" | awk '{ print $2 }' |
+        grep -v '^CUDAWAIT_' | sort -u | while read -r macro; do
+        grep -E "^#define ${macro}( |$)" <<<"${defined}" || true
+    done >>"${work}/${name}_floor.cpp"
+    cat "${work}/${name}_floor.includes" >>"${work}/${name}_floor.cpp"
     echo 'int main() {}' >>"${work}/${name}_floor.cpp"
     cp "${work}/${name}_floor.cpp" "${work}/${name}_floor.cu"
 }
@@ -240,7 +251,8 @@ for compiler in "${compilers[@]}"; do
         "-"
 done
 echo "reference: <coroutine> + <cuda_runtime.h> only; coroutine: task.hpp + scheduler.hpp"
-echo "floor headers (umbrella): $(grep -c '^#include' "${work}/umbrella_floor.cpp"):"
+echo "floor headers (umbrella): $(grep -c '^#include' "${work}/umbrella_floor.cpp"), with" \
+    "$(grep '^#define' "${work}/umbrella_floor.cpp" | awk '{ print $2 }' | tr '\n' ' ')defined:"
 grep '^#include' "${work}/umbrella_floor.cpp" | sed 's/#include //' | tr '\n' ' ' | fold -s -w 98 |
     sed 's/^/  /'
 echo
