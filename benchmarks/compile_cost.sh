@@ -127,13 +127,14 @@ floor() {
     # alike in the floor, so it compiles the same declarations.
     local defined
     defined="$("${cxx}" -std=c++20 "${includes[@]}" "$@" -dM -E "${work}/${name}.cpp")"
-    : >"${work}/${name}_floor.cpp"
-    grep -rhoE '^#define [A-Za-z_][A-Za-z0-9_]*' "${root}/include/cudawait" | awk '{ print $2 }' |
-        grep -v '^CUDAWAIT_' | sort -u | while read -r macro; do
-        grep -E "^#define ${macro}( |$)" <<<"${defined}" || true
-    done >>"${work}/${name}_floor.cpp"
-    cat "${work}/${name}_floor.includes" >>"${work}/${name}_floor.cpp"
-    echo 'int main() {}' >>"${work}/${name}_floor.cpp"
+    {
+        grep -rhoE '^#define [A-Za-z_][A-Za-z0-9_]*' "${root}/include/cudawait" |
+            awk '{ print $2 }' | grep -v '^CUDAWAIT_' | sort -u | while read -r macro; do
+            grep -E "^#define ${macro}( |$)" <<<"${defined}" || true
+        done
+        cat "${work}/${name}_floor.includes"
+        echo 'int main() {}'
+    } >"${work}/${name}_floor.cpp"
     cp "${work}/${name}_floor.cpp" "${work}/${name}_floor.cu"
 }
 
@@ -149,6 +150,7 @@ subject() {
     done
     echo 'int main() {}' >>"${work}/${name}.cpp"
     cp "${work}/${name}.cpp" "${work}/${name}.cu"
+    # shellcheck disable=SC2086 # extra flags are words
     floor "${name}" ${extra[${name}]:-}
     subjects+=("${name}")
 }
