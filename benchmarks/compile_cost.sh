@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # What cudawait's headers cost each translation unit that includes them, under nvcc and g++.
-#   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu] [--only nvcc|g++]
+#   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu | --memory] [--only nvcc|g++]
 #     --runs N     best of N wall times per compile (default 3); the runs are interleaved, so
 #                  load from other work on the machine spreads over every subject alike
 #     --headers    also time each public header on its own (nccl.hpp only where nccl.h is found)
 #     --cpu        CPU seconds (user + system) instead of wall seconds: steadier on a busy machine
+#     --memory     g++ only: MB its front end allocates (-ftime-report's TOTAL), which does not
+#                  depend on load at all; it follows the time closely
 #     --only C     time one compiler only
 # For each subject it compiles a one-line TU (`#include <cudawait/...>` + `int main(){}`) and its
 # floor: a TU that includes exactly the standard, system and CUDA headers that cudawait's own
@@ -19,7 +21,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '3,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '3,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -35,6 +37,11 @@ while (($# > 0)); do
         ;;
     --headers) per_header=1 ;;
     --cpu) clock=cpu ;;
+    --memory)
+        clock=memory
+        compilers=(g++)
+        runs=1 # the same every time
+        ;;
     --only)
         compilers=("$2")
         shift
@@ -190,6 +197,18 @@ now() {
 timed() {
     local key="$1" start end seconds
     shift
+    if [[ "${clock}" == memory ]]; then
+        if ! "$@" -ftime-report >"${work}/log" 2>&1; then
+            echo "compile_cost.sh: failed: $*" >&2
+            cat "${work}/log" >&2
+            exit 1
+        fi
+        best["${key}"]="$(awk '/^ *TOTAL/ {
+            v = $NF; u = substr(v, length(v)); n = substr(v, 1, length(v) - 1)
+            printf "%.1f", u == "M" ? n : u == "k" ? n / 1024 : u == "G" ? n * 1024 : v / 1048576
+        }' "${work}/log")"
+        return
+    fi
     now start
     if ! "$@" >"${work}/log" 2>&1; then
         echo "compile_cost.sh: failed: $*" >&2
@@ -227,7 +246,9 @@ for ((run = 1; run <= runs; ++run)); do
     compile_all
 done
 
-echo "cudawait compile cost: best of ${runs} ${clock} seconds per TU ($(nproc) cores)"
+unit="${clock} seconds"
+[[ "${clock}" == memory ]] && unit="MB allocated by the front end"
+echo "cudawait compile cost: best of ${runs}, ${unit}, per TU ($(nproc) cores)"
 echo "  nvcc: $("${nvcc}" --version | sed -n '$p'): ${nvcc_flags[*]}"
 echo "  g++:  $("${cxx}" --version | sed -n 1p): ${cxx_flags[*]}"
 echo "floor = the standard, system and CUDA headers the subject's cudawait headers include"
