@@ -11,11 +11,11 @@
 
 #include <cudawait/error.hpp>
 
-#include <map>
 #include <mutex>
 #include <source_location>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -135,8 +135,15 @@ namespace detail {
 /// Which ordered device pairs enable_peer_access settled, and how: process-wide. Never
 /// destroyed, so that no static destructor can find it gone.
 struct peer_access_record {
+    struct entry {
+        int a;
+        int b;
+        bool on;
+    };
     std::mutex mutex;
-    std::map<std::pair<int, int>, bool> on;
+    /// At most one entry per ordered pair, and few pairs (devices squared): a linear search,
+    /// without <map> in every translation unit.
+    std::vector<entry> pairs;
 
     static peer_access_record& instance() {
         static peer_access_record* record = new peer_access_record();
@@ -166,8 +173,10 @@ inline bool enable_peer_access(int a, int b,
                                std::source_location where = std::source_location::current()) {
     auto& record = detail::peer_access_record::instance();
     std::lock_guard lock(record.mutex);
-    if (auto it = record.on.find({a, b}); it != record.on.end()) {
-        return it->second; // only valid ids are recorded
+    for (const detail::peer_access_record::entry& e : record.pairs) {
+        if (e.a == a && e.b == b) {
+            return e.on; // only valid ids are recorded
+        }
     }
     device_ref from(a, where);
     device_ref to(b, where);
@@ -185,7 +194,7 @@ inline bool enable_peer_access(int a, int b,
             check(st, "cudaDeviceEnablePeerAccess", where);
         }
     }
-    record.on.emplace(std::pair{a, b}, can != 0);
+    record.pairs.push_back({a, b, can != 0});
     return can != 0;
 }
 

@@ -22,7 +22,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -34,6 +33,9 @@
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+#if defined(__unix__)
+#include <dirent.h> // not <filesystem>: every TU that includes the umbrella would parse it
 #endif
 
 namespace cudawait::detail {
@@ -62,14 +64,25 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 /// empty where the directory is missing or unreadable (not Linux, or sysfs hidden).
 [[nodiscard]] inline std::vector<int> numa_node_ids(const std::string& root = {}) {
     std::vector<int> ids;
-    std::error_code ec;
-    std::filesystem::directory_iterator it(root + "/sys/devices/system/node", ec);
-    for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-        int id = numbered_entry(it->path().filename().native(), "node");
+#if defined(__unix__)
+    DIR* dir = ::opendir((root + "/sys/devices/system/node").c_str());
+    if (dir == nullptr) {
+        return ids;
+    }
+    struct dir_closer {
+        DIR* d;
+        ~dir_closer() { ::closedir(d); }
+    } closer{dir};
+    // "." and ".." are no "node<n>" entries; a read error ends the listing, as it did before.
+    while (const dirent* entry = ::readdir(dir)) {
+        int id = numbered_entry(entry->d_name, "node");
         if (id >= 0) {
             ids.push_back(id);
         }
     }
+#else
+    static_cast<void>(root);
+#endif
     std::sort(ids.begin(), ids.end());
     return ids;
 }
