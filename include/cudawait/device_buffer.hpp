@@ -3,16 +3,21 @@
 
 // Synopsis
 //   device_buffer<float> d(n, stream);     cudaMallocAsync on `stream` (stream-ordered)
+//   device_buffer<float> d(n, stream, r);  from device_resource r: any stream-ordered,
+//                                          device-accessible cuda::mr resource (or its ref)
 //   std::span<float> s = d.span();         device memory: hand it to kernels and copies
 //   d.set_stream(other);                   free on `other` instead
 //
-// Move-only; freed with cudaFreeAsync on its stream, so the memory is reused only after work
-// already enqueued on that stream. Work on other streams that uses the buffer must be ordered
-// before the free (an event the freeing stream waits on), as with cudaFreeAsync itself.
+// Move-only; freed on its stream (cudaFreeAsync, or the resource's stream-ordered deallocate),
+// so the memory is reused only after work already enqueued on that stream. Work on other streams
+// that uses the buffer must be ordered before the free (an event the freeing stream waits on), as
+// with cudaFreeAsync itself. A resource must outlive the buffers allocated from it. Without
+// cuda::mr (CUDAWAIT_HAS_CUDA_MR 0) only the default resource can be named.
 // data(), span(), begin() and end() of an empty (default-constructed, moved-from or reset) buffer
 // throw usage_error. There is no operator[]: the host cannot touch device memory.
 
 #include <cudawait/device.hpp>
+#include <cudawait/device_resource.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/stream.hpp>
@@ -29,14 +34,14 @@
 namespace cudawait {
 
 namespace detail {
-/// How a device_buffer frees its memory: cudaFreeAsync on the buffer's stream.
+/// How a device_buffer frees its memory: through its resource, in its stream's order.
 struct stream_ordered_free {
     static constexpr const char* name = "device_buffer";
     stream_ref stream{cudaStreamPerThread};
+    device_resource resource{};
+    std::size_t bytes = 0;
 
-    void operator()(void* data) const noexcept {
-        detail::report(cudaFreeAsync(data, stream.get()), "cudaFreeAsync");
-    }
+    void operator()(void* data) const noexcept { resource.deallocate(data, bytes, stream); }
 };
 } // namespace detail
 
@@ -54,15 +59,31 @@ public:
 
     device_buffer() noexcept = default;
 
-    /// Allocates on `s`'s device, ordered after the work enqueued on `s`.
-    /// @throws usage_error for a zero count; cuda_error (cudaErrorMemoryAllocation when full)
-    device_buffer(std::size_t count, stream_ref s,
+    /// Allocates on `s`'s device, ordered after the work enqueued on `s`, from `resource`
+    /// (cudaMallocAsync by default).
+    /// @throws usage_error for a zero count; cuda_error (cudaErrorMemoryAllocation when full), or
+    ///         what the resource throws
+    device_buffer(std::size_t count, stream_ref s, const device_resource& resource = {},
                   std::source_location where = std::source_location::current()) {
         std::size_t bytes = base::checked_bytes(count);
         device_guard guard(device_ref(s.device(where), where), where);
         void* p = nullptr;
-        check(cudaMallocAsync(&p, bytes, s.get()), "cudaMallocAsync", where);
-        this->adopt(static_cast<T*>(p), count, detail::stream_ordered_free{s});
+        if (resource.is_default()) {
+            check(cudaMallocAsync(&p, bytes, s.get()), "cudaMallocAsync", where);
+        } else {
+            p = resource.allocate(bytes, s);
+        }
+        this->adopt(static_cast<T*>(p), count, detail::stream_ordered_free{s, resource, bytes});
+    }
+
+    /// Allocates on `s`'s device, ordered after the work enqueued on `s`.
+    /// @throws usage_error for a zero count; cuda_error (cudaErrorMemoryAllocation when full)
+    device_buffer(std::size_t count, stream_ref s, std::source_location where)
+        : device_buffer(count, s, device_resource{}, where) {}
+
+    /// The resource the memory came from (and goes back to).
+    [[nodiscard]] const device_resource& resource() const noexcept {
+        return this->release_fn().resource;
     }
 
     /// Frees now, in the order of the buffer's stream; the buffer becomes empty.

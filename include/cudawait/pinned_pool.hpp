@@ -26,11 +26,16 @@
 //
 // The pool is a std::pmr::memory_resource and a libcu++ cuda::mr resource whose memory is both
 // host- and device-accessible (cuda::mr::resource_ref<host_accessible, device_accessible>; with
-// CCCL 3.1 and later, synchronous_resource_ref). Nothing needs defining for it, but with CCCL
-// 3.0 (CUDA 13.0) a file that includes <cuda/memory_resource> itself must include cudawait
-// first, or define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE before every libcu++ header
-// (CUDAWAIT_HAS_CUDA_MR tells; see below).
+// CCCL 3.1 and later, synchronous_resource_ref), and a stream-ordered one
+// (async_resource_ref<host_accessible, device_accessible>; with CCCL 3.1 and later,
+// resource_ref): pool.deallocate_async(p, n, a, s) (CCCL 3.1: deallocate(s, p, n, a)) is
+// record_use(p, s) then deallocate(p), so the block is reused only after the GPU passed that
+// point on `s`. Nothing needs defining for it, but with CCCL 3.0 (CUDA 13.0) a file that
+// includes <cuda/memory_resource> itself must include cudawait first, or define
+// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE before every libcu++ header
+// (CUDAWAIT_HAS_CUDA_MR tells; see device_resource.hpp).
 
+#include <cudawait/device_resource.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/stream.hpp>
@@ -63,34 +68,8 @@
 #include <unistd.h>
 #endif
 
-// libcu++'s memory resources (cuda::mr). CCCL 3.1 and later declare them unconditionally. CCCL
-// 3.0 (CUDA 13.0) and 2.x declare them only if LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
-// is defined when <cuda/memory_resource> is first included; their include guards are set even
-// when the switch skipped their contents, so defining it later changes nothing. This header
-// therefore defines the switch itself when it is the first to include them. If they were
-// included earlier without it, they declared nothing and the pool is no cuda::mr resource in
-// that translation unit (CUDAWAIT_HAS_CUDA_MR is 0; it is a std::pmr resource still): include
-// cudawait first there, or define the switch for the whole project.
-#if __has_include(<cuda/memory_resource>) && __has_include(<cuda/version>)
-#include <cuda/version>
-#endif
-#if defined(CCCL_VERSION) && CCCL_VERSION >= 3001000
-#include <cuda/memory_resource>
-#define CUDAWAIT_HAS_CUDA_MR 1
-#elif defined(CCCL_VERSION)
-#if !defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) && !defined(_CUDA_MEMORY_RESOURCE) && \
-    !defined(_CUDA__MEMORY_RESOURCE_PROPERTIES_H)
-#define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
-#endif
-#include <cuda/memory_resource>
-#if defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE)
-#define CUDAWAIT_HAS_CUDA_MR 1
-#else
-#define CUDAWAIT_HAS_CUDA_MR 0
-#endif
-#else
-#define CUDAWAIT_HAS_CUDA_MR 0
-#endif
+// CUDAWAIT_HAS_CUDA_MR and the cuda::mr switch (what a file including <cuda/memory_resource>
+// itself must do) are in device_resource.hpp.
 
 namespace cudawait {
 
@@ -810,6 +789,31 @@ public:
         return allocate(bytes, alignment);
     }
     void deallocate_sync(void* p, std::size_t, std::size_t = granule) { deallocate(p); }
+
+#if CUDAWAIT_HAS_CUDA_STREAM_REF
+    /// The cuda::mr stream-ordered form (CCCL 3.0's async_resource): allocation needs no
+    /// ordering (the block is free for the GPU now), so `s` is not used.
+    /// @throws as allocate()
+    [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref) {
+        return allocate(bytes, alignment);
+    }
+    /// Frees `p` once the work enqueued on `s` so far completed: record_use(p, s), then
+    /// deallocate(p). The block is handed out again only after the GPU passed that point.
+    /// @throws usage_error when `p` is not a block handed out by this pool; cuda_error
+    void deallocate_async(void* p, std::size_t, std::size_t, ::cuda::stream_ref s) {
+        record_use(p, stream_ref(s));
+        deallocate(p);
+    }
+    /// The cuda::mr stream-ordered spelling of CCCL 3.1 and later (resource): allocate_async.
+    [[nodiscard]] void* allocate(::cuda::stream_ref s, std::size_t bytes,
+                                 std::size_t alignment) {
+        return allocate_async(bytes, alignment, s);
+    }
+    /// The cuda::mr stream-ordered spelling of CCCL 3.1 and later (resource): deallocate_async.
+    void deallocate(::cuda::stream_ref s, void* p, std::size_t bytes, std::size_t alignment) {
+        deallocate_async(p, bytes, alignment, s);
+    }
+#endif
 
     friend bool operator==(const pinned_pool& a, const pinned_pool& b) noexcept { return &a == &b; }
 

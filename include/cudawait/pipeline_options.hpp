@@ -3,7 +3,8 @@
 
 // Synopsis
 //   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
-//                     streams, graph, timing, timeouts, callbacks, staging pool, timeline)
+//                     streams, graph, timing, timeouts, callbacks, staging pool, device
+//                     memory resource, timeline)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
@@ -16,6 +17,8 @@
 //
 // The value types of pipeline.hpp, on their own so that the pipeline's parts (detail/
 // pipeline_*.hpp) can use them below the pipeline facade.
+
+#include <cudawait/device_resource.hpp>
 
 #include <chrono>
 #include <cstddef>
@@ -226,6 +229,11 @@ struct pipeline_options {
     std::size_t queue_capacity = 0;
     /// Staging buffers come from here; nullptr: default_pinned_pool().
     pinned_pool* pool = nullptr;
+    /// The slots' device buffers (inputs, outputs, chained stages' and the scratch) come from
+    /// here, once, when the pipeline is built; none per chunk. Default (or nullptr):
+    /// cudaMallocAsync. A cuda::mr stream-ordered, device-accessible resource (or
+    /// device_resource_ref) converts to it; it must outlive the pipeline.
+    cudawait::device_resource device_resource{};
     /// Records what ran where into this timeline (timeline.hpp): each chunk's GPU stage spans
     /// (which needs the timing events, so stats() then has stage times as with `timing`) and
     /// its host spans. nullptr: nothing is recorded. It must outlive the pipeline.

@@ -122,13 +122,16 @@ struct pipeline_slot {
     /// Scratch alignment: what cudaMalloc gives, and what library temp storage expects.
     static constexpr std::size_t scratch_alignment = 256;
 
-    /// The device buffers are allocated in `alloc`'s order.
+    /// The device buffers are allocated in `alloc`'s order, from o.device_resource.
     /// @throws cuda_error
     pipeline_slot(const pipeline_options& o, std::size_t stages, stream_ref alloc,
                   int graph_priority)
-        : dev_in(o.chunk_elements, alloc), dev_out(o.output_elements, alloc),
-          dev_mid(stages > 1 ? device_buffer<Out>(o.output_elements, alloc) : device_buffer<Out>()),
-          scratch_memory(padded_scratch(o.scratch_bytes, alloc)), h2d_done(device_ref(o.device)),
+        : dev_in(o.chunk_elements, alloc, o.device_resource),
+          dev_out(o.output_elements, alloc, o.device_resource),
+          dev_mid(stages > 1 ? device_buffer<Out>(o.output_elements, alloc, o.device_resource)
+                             : device_buffer<Out>()),
+          scratch_memory(padded_scratch(o.scratch_bytes, alloc, o.device_resource)),
+          h2d_done(device_ref(o.device)),
           compute_done(device_ref(o.device)), d2h_done(device_ref(o.device)),
           graph_stream(device_ref(o.device), graph_priority) {
         if (o.scratch_bytes != 0) {
@@ -148,11 +151,12 @@ struct pipeline_slot {
     pipeline_slot& operator=(const pipeline_slot&) = delete;
 
     /// `bytes` of scratch and room to align its start; none for 0.
-    static device_buffer<std::byte> padded_scratch(std::size_t bytes, stream_ref alloc) {
+    static device_buffer<std::byte> padded_scratch(std::size_t bytes, stream_ref alloc,
+                                                   const device_resource& resource) {
         if (bytes == 0) {
             return {};
         }
-        return device_buffer<std::byte>(bytes + scratch_alignment - 1, alloc);
+        return device_buffer<std::byte>(bytes + scratch_alignment - 1, alloc, resource);
     }
 
     /// @throws std::bad_alloc, cuda_error
