@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include "counting_device_resource.hpp"
 #include "gpu_fixture.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
@@ -128,6 +129,70 @@ TEST_F(device_buffer_gpu, an_impossible_size_is_a_cuda_error) {
     }
     device_buffer<int> fine(16, s); // the stream and device are still usable
     s.sync();
+}
+
+TEST(device_buffer, the_default_resource_is_cuda_malloc_async) {
+    cudawait::device_resource def;
+    cudawait::device_resource null = nullptr;
+    EXPECT_TRUE(def.is_default());
+    EXPECT_TRUE(null.is_default());
+    EXPECT_TRUE(def == null);
+    device_buffer<int> empty;
+    EXPECT_TRUE(empty.resource().is_default());
+#if CUDAWAIT_HAS_CUDA_MR
+    cudawait::testing::device_resource_counts counts;
+    cudawait::testing::counting_device_resource counting(counts);
+    cudawait::device_resource r = counting;
+    cudawait::device_resource copy = r;
+    EXPECT_FALSE(r.is_default());
+    EXPECT_TRUE(copy == r);
+    EXPECT_FALSE(copy == def);
+    copy = def;
+    EXPECT_TRUE(copy.is_default());
+    // A zero count fails before the resource is asked.
+    EXPECT_THROW(device_buffer<int>(0, cudaStreamPerThread, r), usage_error);
+    EXPECT_EQ(counts.allocations.load(), 0);
+#endif
+}
+
+TEST_F(device_buffer_gpu, memory_from_a_stream_ordered_resource_goes_back_to_it) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    cudawait::testing::device_resource_counts counts;
+    cudawait::testing::counting_device_resource counting(counts);
+    cudawait::device_resource_ref ref = counting;
+    cudawait::stream s;
+    const std::size_t n = 300'001;
+    {
+        device_buffer<std::uint32_t> d(n, s, ref);
+        EXPECT_EQ(counts.allocations.load(), 1);
+        EXPECT_EQ(counts.bytes_allocated.load(), n * 4);
+        EXPECT_FALSE(d.resource().is_default());
+        std::vector<std::uint32_t> host(n);
+        std::mt19937 rng(29);
+        for (auto& x : host) {
+            x = static_cast<std::uint32_t>(rng());
+        }
+        std::vector<std::uint32_t> back(n, 0xdeadbeef);
+        ASSERT_EQ(cudaMemcpyAsync(d.data(), host.data(), n * 4, cudaMemcpyHostToDevice, s.get()),
+                  cudaSuccess);
+        ASSERT_EQ(cudawait::testing::launch_mix(d.data(), n, 9, s.get()), cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(back.data(), d.data(), n * 4, cudaMemcpyDeviceToHost, s.get()),
+                  cudaSuccess);
+        s.sync();
+        cudawait::testing::mix_on_host(host.data(), n, 9);
+        EXPECT_EQ(back, host);
+        // A move carries the resource: one free, through it, when the new owner goes.
+        device_buffer<std::uint32_t> moved(std::move(d));
+        EXPECT_EQ(counts.deallocations.load(), 0);
+        EXPECT_FALSE(moved.resource().is_default());
+    }
+    EXPECT_EQ(counts.allocations.load(), 1);
+    EXPECT_EQ(counts.deallocations.load(), 1);
+    EXPECT_EQ(counts.bytes_freed.load(), n * 4);
+    s.sync();
+#endif
 }
 
 } // namespace

@@ -36,6 +36,7 @@
 #include "cuda_mr_ref.hpp"
 #include "gpu_fixture.hpp"
 #include "host_pool.hpp"
+#include "mapped_words.hpp"
 #include "no_device.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
@@ -1554,6 +1555,65 @@ TEST(pinned_pool, churn_of_mixed_sizes_keeps_blocks_apart_and_waste_bounded) {
     EXPECT_LE(waste, 1.3) << "reserved " << s.peak_reserved_bytes << " for a peak of " << peak;
     EXPECT_EQ(pool.release_unused(), s.reserved_bytes);
     EXPECT_EQ(h.slabs->live_bytes(), 0u);
+}
+
+// The pool as a stream-ordered cuda::mr resource (an async_resource_ref with CCCL 3.0): a block
+// freed on a stream is not handed out again until the GPU passed that point on the stream.
+TEST_F(pinned_pool_gpu, a_block_freed_in_stream_order_waits_for_the_kernel_reading_it) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    pinned_pool pool;
+    cudawait::testing::async_pool_ref r = pool;
+    const std::size_t n = 1_MiB / 4;
+    cudawait::stream s;
+    auto* b = static_cast<std::uint32_t*>(cudawait::testing::ref_allocate_async(r, n * 4, s.get()));
+    ASSERT_NE(b, nullptr);
+    std::mt19937 rng(23);
+    std::uint32_t expected_sum = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+        b[i] = static_cast<std::uint32_t>(rng());
+        expected_sum += b[i];
+    }
+    cudawait::testing::mapped_words flag(1);
+    flag.write(0, 0);
+    std::uint32_t* sum = nullptr;
+    ASSERT_EQ(cudaMallocAsync(&sum, sizeof(std::uint32_t), s.get()), cudaSuccess);
+    // The kernel waits for the flag (10 s at most), then a kernel reads the block.
+    ASSERT_EQ(cudawait::testing::launch_wait_flag(flag.device, 10'000'000'000ull, s.get()),
+              cudaSuccess);
+    ASSERT_EQ(cudawait::testing::launch_sum(b, n, sum, s.get()), cudaSuccess);
+    cudawait::testing::ref_deallocate_async(r, b, n * 4, s.get());
+    EXPECT_EQ(pool.stats().pending_bytes, n * 4) << "freed, but the GPU has not passed the point";
+    std::vector<std::uint32_t*> again;
+    for (int i = 0; i < 4; ++i) {
+        auto* p =
+            static_cast<std::uint32_t*>(cudawait::testing::ref_allocate_async(r, n * 4, s.get()));
+        EXPECT_NE(p, b) << "the block was handed out while a kernel on the stream still reads it";
+        std::fill(p, p + n, 0xbad0bad0u);
+        again.push_back(p);
+    }
+    EXPECT_FALSE(cudawait::stream_ref(s).ready()) << "the kernel should still be waiting";
+    flag.write(0, 1);
+    std::uint32_t got = 0;
+    ASSERT_EQ(cudaMemcpyAsync(&got, sum, sizeof got, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
+    ASSERT_EQ(cudaFreeAsync(sum, s.get()), cudaSuccess);
+    s.sync();
+    EXPECT_EQ(got, expected_sum) << "the kernel read data written after the free";
+    // The GPU passed the free: the block may come back now.
+    EXPECT_EQ(pool.collect(), n * 4);
+    auto* reused =
+        static_cast<std::uint32_t*>(cudawait::testing::ref_allocate_async(r, n * 4, s.get()));
+    EXPECT_EQ(reused, b);
+    cudawait::testing::ref_deallocate_async(r, reused, n * 4, s.get());
+    for (auto* p : again) {
+        cudawait::testing::ref_deallocate_async(r, p, n * 4, s.get());
+    }
+    s.sync();
+    pool.collect();
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+    EXPECT_EQ(pool.stats().pending_bytes, 0u);
+#endif
 }
 
 } // namespace

@@ -29,6 +29,7 @@
 
 #include <cuda_runtime.h>
 
+#include "counting_device_resource.hpp"
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
 #include "test_kernels.hpp"
@@ -3080,6 +3081,59 @@ TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
             << r;
         std::filesystem::remove(o.report_path);
     }
+}
+
+// pipeline_options::device_resource: every device buffer of the slots comes from it, once, when
+// the pipeline is built; none per chunk; all go back to it when the pipeline goes.
+TEST_F(pipeline_gpu, the_slots_device_buffers_come_from_the_device_resource_once) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    struct resource_case {
+        std::size_t stages;
+        std::size_t scratch_bytes;
+        bool graph;
+        long buffers_per_slot; // dev_in, dev_out, dev_mid for chained stages, the scratch
+    };
+    const std::size_t chunk = 40'000;
+    const std::size_t n = chunk * 20 + 13;
+    auto in = random_words(n, 47);
+    cudawait::scheduler sched;
+    for (const resource_case& c : {resource_case{1, 0, false, 2}, resource_case{1, 0, true, 2},
+                                   resource_case{2, 1000, false, 4}}) {
+        SCOPED_TRACE(std::to_string(c.stages) + " stages, scratch " +
+                     std::to_string(c.scratch_bytes) + (c.graph ? ", graph" : ""));
+        cudawait::testing::device_resource_counts counts;
+        cudawait::testing::counting_device_resource counting(counts);
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.depth = 3;
+        o.scratch_bytes = c.scratch_bytes;
+        o.graph = c.graph;
+        o.device_resource = counting;
+        {
+            pipe_t p(o, c.stages == 1 ? std::vector<pipe_t::stage>{transform_stage()}
+                                      : chain(c.stages));
+            const long built = static_cast<long>(o.depth) * c.buffers_per_slot;
+            EXPECT_EQ(counts.allocations.load(), built) << "one allocation per slot buffer";
+            EXPECT_EQ(counts.deallocations.load(), 0);
+            const std::size_t bytes = counts.bytes_allocated.load();
+            EXPECT_GE(bytes, o.depth * (c.stages > 1 ? 3 : 2) * chunk * 4 + c.scratch_bytes);
+            std::vector<u32> out(n, 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(in, out));
+            const auto want = c.stages == 1 ? expected(in, chunk) : chain_on_host(in, c.stages);
+            EXPECT_EQ(first_mismatch(out, want), n);
+            std::fill(out.begin(), out.end(), 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(in, out));
+            EXPECT_EQ(first_mismatch(out, want), n);
+            EXPECT_EQ(counts.allocations.load(), built) << "no allocation per chunk";
+            EXPECT_EQ(counts.bytes_allocated.load(), bytes);
+            EXPECT_EQ(counts.deallocations.load(), 0);
+        }
+        EXPECT_EQ(counts.deallocations.load(), counts.allocations.load()) << "all freed";
+        EXPECT_EQ(counts.bytes_freed.load(), counts.bytes_allocated.load());
+    }
+#endif
 }
 
 } // namespace
