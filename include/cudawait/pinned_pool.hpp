@@ -794,7 +794,8 @@ public:
     /// The cuda::mr stream-ordered form (CCCL 3.0's async_resource): allocation needs no
     /// ordering (the block is free for the GPU now), so `s` is not used.
     /// @throws as allocate()
-    [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref) {
+    [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment,
+                                       ::cuda::stream_ref) {
         return allocate(bytes, alignment);
     }
     /// Frees `p` once the work enqueued on `s` so far completed: record_use(p, s), then
@@ -805,8 +806,7 @@ public:
         deallocate(p);
     }
     /// The cuda::mr stream-ordered spelling of CCCL 3.1 and later (resource): allocate_async.
-    [[nodiscard]] void* allocate(::cuda::stream_ref s, std::size_t bytes,
-                                 std::size_t alignment) {
+    [[nodiscard]] void* allocate(::cuda::stream_ref s, std::size_t bytes, std::size_t alignment) {
         return allocate_async(bytes, alignment, s);
     }
     /// The cuda::mr stream-ordered spelling of CCCL 3.1 and later (resource): deallocate_async.

@@ -131,9 +131,8 @@ struct pipeline_slot {
           dev_mid(stages > 1 ? device_buffer<Out>(o.output_elements, alloc, o.device_resource)
                              : device_buffer<Out>()),
           scratch_memory(padded_scratch(o.scratch_bytes, alloc, o.device_resource)),
-          h2d_done(device_ref(o.device)),
-          compute_done(device_ref(o.device)), d2h_done(device_ref(o.device)),
-          graph_stream(device_ref(o.device), graph_priority) {
+          h2d_done(device_ref(o.device)), compute_done(device_ref(o.device)),
+          d2h_done(device_ref(o.device)), graph_stream(device_ref(o.device), graph_priority) {
         if (o.scratch_bytes != 0) {
             // The stream-ordered allocator promises less alignment than cudaMalloc's 256 bytes
             // in writing; the spare bytes make the span's start aligned whatever it returns.
