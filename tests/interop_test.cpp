@@ -412,4 +412,22 @@ TEST_F(interop_gpu, wait_for_stream_orders_after_the_per_thread_stream) {
     ok(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize");
 }
 
+// And two streams of the library: `s` waits for `producer` without the host waiting.
+TEST_F(interop_gpu, wait_for_stream_orders_one_stream_after_another) {
+    cudawait::stream s;
+    cudawait::stream producer;
+    cudawait::device_buffer<std::uint32_t> word(1, producer);
+    cudawait::pinned_buffer<std::uint32_t> out(1);
+    ok(cudaMemsetAsync(word.data(), 0, 4, producer.get()), "cudaMemsetAsync");
+    out[0] = 0xdeadbeefu;
+    ok(cudawait::testing::launch_spin(30'000'000, word.data(), 0x5eed5u, producer.get()),
+       "launch_spin");
+    cudawait::wait_for_stream(s, producer);
+    ok(cudaMemcpyAsync(out.data(), word.data(), 4, cudaMemcpyDeviceToHost, s.get()),
+       "cudaMemcpyAsync");
+    s.sync();
+    EXPECT_EQ(out[0], 0x5eed5u);
+    producer.sync();
+}
+
 } // namespace

@@ -37,12 +37,15 @@
 namespace cudawait {
 
 /// Makes later work on `s` wait for all work enqueued on `other` before this call. `other` may
-/// be cudaStreamLegacy or cudaStreamPerThread: those name the current device's stream, so the
-/// event is recorded with `s`'s device current. The host does not wait.
+/// be on another device, or be cudaStreamLegacy or cudaStreamPerThread: those name the current
+/// device's stream, so for them `s`'s device is made current. The host does not wait.
 /// @throws cuda_error
 inline void wait_for_stream(stream_ref s, stream_ref other,
                             std::source_location where = std::source_location::current()) {
-    int dev = s.device(where);
+    // An event must be recorded with its stream's device current; the special handles have no
+    // device of their own.
+    bool special = other.get() == cudaStreamLegacy || other.get() == cudaStreamPerThread;
+    int dev = special ? s.device(where) : other.device(where);
     device_guard guard(device_ref(dev, where), where);
     pooled_event ev = event_pool::for_device(dev).acquire();
     check(cudaEventRecord(ev.get(), other.get()), "cudaEventRecord", where);
