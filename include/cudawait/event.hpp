@@ -301,6 +301,16 @@ private:
     long m_outstanding = 0;
 };
 
+class event_ref;
+namespace detail {
+/// An event_like type that event_ref's own constructors do not already take.
+template <class E>
+concept foreign_event = event_like<E> && !std::same_as<std::remove_cvref_t<E>, event_ref> &&
+                        !std::same_as<std::remove_cvref_t<E>, cudaEvent_t> &&
+                        !std::same_as<std::remove_cvref_t<E>, event> &&
+                        !std::same_as<std::remove_cvref_t<E>, pooled_event>;
+} // namespace detail
+
 /// A non-owning view of a CUDA event. Inside a task, `co_await ev` resumes once the work the
 /// event captured completed; the event must outlive the await.
 class event_ref : public detail::event_ops<event_ref> {
@@ -317,21 +327,8 @@ public:
     /// a std::unique_ptr<CUevent_st, D> has `.get()` too, and a silent view of a temporary owner
     /// would dangle).
     /// @throws what the type's accessor throws
-    template <class E>
-    requires event_like<E> &&(!std::same_as<std::remove_cvref_t<E>, event_ref>)&&(
-        !std::same_as<
-            std::remove_cvref_t<E>,
-            cudaEvent_t>)&&(!std::
-                                same_as<
-                                    std::remove_cvref_t<E>,
-                                    event>)&&(!std::
-                                                  same_as<
-                                                      std::remove_cvref_t<E>,
-                                                      pooled_event>)constexpr explicit(!std::
-                                                                                           is_convertible_v<
-                                                                                               const E&,
-                                                                                               cudaEvent_t>)
-        event_ref(const E& e)
+    template <detail::foreign_event E>
+    constexpr explicit(!std::is_convertible_v<const E&, cudaEvent_t>) event_ref(const E& e)
         : m_handle(native_event(e)) {}
 
     /// The raw handle; never throws (a view has no moved-from state).

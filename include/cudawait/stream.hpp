@@ -96,6 +96,14 @@ template <stream_like S>
     }
 }
 
+class stream_ref;
+namespace detail {
+/// A stream_like type that stream_ref's own constructors do not already take.
+template <class S>
+concept foreign_stream = stream_like<S> && !std::same_as<std::remove_cvref_t<S>, stream_ref> &&
+                         !std::same_as<std::remove_cvref_t<S>, cudaStream_t>;
+} // namespace detail
+
 /// A non-owning view of a CUDA stream. Cheap to copy; never destroys the stream.
 class stream_ref : public detail::stream_ops<stream_ref> {
 public:
@@ -104,19 +112,15 @@ public:
     constexpr stream_ref(cudaStream_t handle) noexcept : m_handle(handle) {}
     stream_ref(int) = delete;
     stream_ref(std::nullptr_t) = delete;
-    /// Views the stream of another library's stream type. Implicit where that type already
-    /// converts implicitly to cudaStream_t (it says it is a stream handle; the call would compile
-    /// through the raw handle anyway, but only with one user-defined conversion in the chain).
-    /// Explicit where only a member names the stream: `.get()` or `.value()` also belong to
-    /// owners (a std::unique_ptr<CUstream_st, D>, a std::optional<cudaStream_t>), and a
-    /// silent view of a temporary owner would dangle.
+    /// Views the stream of another library's stream type. Implicit where that type converts
+    /// implicitly to cudaStream_t: it says it is a stream handle, so a view surprises no one, and
+    /// without this constructor the two conversions in a row (to cudaStream_t, then to
+    /// stream_ref) are ones the language never chains. Explicit where only a member names the
+    /// stream: `.get()` and `.value()` also belong to owners (a std::unique_ptr<CUstream_st, D>,
+    /// a std::optional<cudaStream_t>), and a silent view of a temporary owner would dangle.
     /// @throws what the type's accessor throws
-    template <class S>
-    requires stream_like<S> &&(!std::same_as<std::remove_cvref_t<S>, stream_ref>)&&(
-        !std::same_as<std::remove_cvref_t<S>,
-                      cudaStream_t>)constexpr explicit(!std::is_convertible_v<const S&,
-                                                                              cudaStream_t>)
-        stream_ref(const S& s)
+    template <detail::foreign_stream S>
+    constexpr explicit(!std::is_convertible_v<const S&, cudaStream_t>) stream_ref(const S& s)
         : m_handle(native_stream(s)) {}
 #if CUDAWAIT_HAS_CUDA_STREAM_REF
     constexpr stream_ref(::cuda::stream_ref s) noexcept : m_handle(s.get()) {}

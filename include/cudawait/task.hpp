@@ -96,9 +96,9 @@ public:
         } else if constexpr (std::is_convertible_v<A, event_ref>) {
             return await_on(self, event_ref(a), where);
         } else if constexpr (stream_like<A> || event_like<A>) {
-            // Another library's stream or event type: its conversion to cudaStream_t and
-            // stream_ref's constructor from that would be two user-defined conversions, which
-            // the language never chains, and a member accessor converts nothing by itself.
+            // Another library's stream or event type that names its handle only through a member
+            // or an explicit conversion: the view's constructor from it is explicit (stream.hpp
+            // says why), and awaiting it says plainly which handle is meant.
             static_assert(!(stream_like<A> && event_like<A>),
                           "cudawait: this type names both a stream and an event; co_await "
                           "stream_ref(native_stream(x)) or event_ref(native_event(x))");
