@@ -7,16 +7,19 @@
 //   (memory_kind and classify live in memory_kind.hpp)
 //
 // `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
-// pinned_buffer, device_buffer, mapped_buffer, or a type of your own. The direction follows from
-// where the memory lives: a range type that states it (`static constexpr memory_kind memory`,
-// memory_kind.hpp; the library's buffers do) is believed, any other is classified by the driver.
-// Pool memory (a range with a pool() such as pinned_buffer, or any pointer into the staging pool)
-// is marked with record_use, so freeing it right after the call is safe.
+// pinned_buffer, device_buffer, mapped_buffer, managed_buffer, or a type of your own. The direction
+// follows from where the memory lives: a range type that states it (`static constexpr memory_kind
+// memory`, memory_kind.hpp; the library's buffers do) is believed, any other is classified by the
+// driver. Pool memory (a range with a pool() such as pinned_buffer, or any pointer into the staging
+// pool) is marked with record_use, so freeing it right after the call is safe.
 //
-// Pageable host memory is never handed to cudaMemcpyAsync, which would copy it synchronously
-// through the driver's small staging buffers. It is staged through a ring of page-locked chunks
-// from the pool instead; the host memcpy (on several threads) of one chunk overlaps the DMA of
-// the previous one. With pageable memory on one side:
+// Managed memory (managed_buffer.hpp, or any cudaMallocManaged range) is copied directly with
+// cudaMemcpyAsync and cudaMemcpyDefault, whatever the other side: never staged.
+//
+// Pageable host memory is never handed to cudaMemcpyAsync together with device memory, which
+// would copy it synchronously through the driver's small staging buffers. It is staged through a
+// ring of page-locked chunks from the pool instead; the host memcpy (on several threads) of one
+// chunk overlaps the DMA of the previous one. With pageable memory on one side:
 //   - host to device: copy_async returns once the source has been read (it may be reused);
 //     the DMA of the last chunks is still running, in stream order;
 //   - device to host: copy_async returns once the destination is written, like
@@ -89,11 +92,12 @@ struct copy_plan {
         return dst_device >= 0 && src_device >= 0 && dst_device != src_device;
     }
 
+    // Managed memory is never staged: the driver knows where its pages are and copies it with
+    // cudaMemcpyDefault from wherever they live, host or device; a ring of pinned chunks would
+    // only add a host memcpy.
     [[nodiscard]] bool staged() const noexcept {
-        bool dst_gpu = dst_kind == memory_kind::device || dst_kind == memory_kind::managed;
-        bool src_gpu = src_kind == memory_kind::device || src_kind == memory_kind::managed;
-        return (src_kind == memory_kind::pageable && dst_gpu) ||
-               (dst_kind == memory_kind::pageable && src_gpu);
+        return (src_kind == memory_kind::pageable && dst_kind == memory_kind::device) ||
+               (dst_kind == memory_kind::pageable && src_kind == memory_kind::device);
     }
     [[nodiscard]] bool to_device() const noexcept { return src_kind == memory_kind::pageable; }
 };

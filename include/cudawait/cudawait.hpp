@@ -15,7 +15,9 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/graph.hpp>
+#include <cudawait/interop.hpp>
 #include <cudawait/link.hpp>
+#include <cudawait/managed_buffer.hpp>
 #include <cudawait/mapped_buffer.hpp>
 #include <cudawait/memory_kind.hpp>
 #include <cudawait/multi_pipeline.hpp>

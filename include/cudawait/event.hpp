@@ -9,9 +9,13 @@
 //   class event_ref;    trivially copyable view of any of the above or of a raw cudaEvent_t
 //   e.record(stream)  e.is_done()  e.sync()   on event, pooled_event and event_ref
 //                                             (ready(): the older name of is_done())
+//   concept event_like<T>; an event type of another library (cuda::event_ref, ...): a class
+//                       explicitly convertible to cudaEvent_t, or one with .event() or .get()
+//                       returning it
+//   native_event(x)     the cudaEvent_t of an event_like x
 //
 // Inside a task, `co_await ev` resumes once the work captured by the event's last record
-// finished (scheduler.hpp).
+// finished (scheduler.hpp); `ev` may be any event_like type, and event_ref(x) views one.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -21,16 +25,57 @@
 #include <cudawait/detail/fork_guard.hpp>
 
 #include <atomic>
+#include <concepts>
 #include <cstddef>
 #include <memory>
 #include <mutex>
 #include <source_location>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 namespace cudawait {
+
+namespace detail {
+template <class T>
+concept has_event_member = requires(const T& t) {
+    requires std::same_as<std::remove_cvref_t<decltype(t.event())>, cudaEvent_t>;
+};
+template <class T>
+concept has_event_get = requires(const T& t) {
+    requires std::same_as<std::remove_cvref_t<decltype(t.get())>, cudaEvent_t>;
+};
+// Class types only: a void* or a nullptr would otherwise pass for an event through static_cast.
+template <class T>
+concept converts_to_event = std::is_class_v<T> && requires(const T& t) {
+    static_cast<cudaEvent_t>(t);
+};
+} // namespace detail
+
+/// An event type of another library, or cudaEvent_t itself: a class explicitly convertible to
+/// cudaEvent_t, or one whose `.event()` or `.get()` returns one (asked in that order, the
+/// specific name first as for stream_like; cuda::event_ref has `.get()`).
+template <class T>
+concept event_like = std::same_as<std::remove_cvref_t<T>, cudaEvent_t> ||
+    detail::converts_to_event<std::remove_cvref_t<T>> ||
+    detail::has_event_member<std::remove_cvref_t<T>> ||
+    detail::has_event_get<std::remove_cvref_t<T>>;
+
+/// The cudaEvent_t that `x` names (see event_like for the order in which it is asked).
+/// @throws what x's accessor throws (cudawait::event: usage_error when moved from)
+template <event_like E>
+[[nodiscard]] constexpr cudaEvent_t native_event(const E& x) {
+    using plain = std::remove_cvref_t<E>;
+    if constexpr (std::same_as<plain, cudaEvent_t> || detail::converts_to_event<plain>) {
+        return static_cast<cudaEvent_t>(x);
+    } else if constexpr (detail::has_event_member<plain>) {
+        return x.event();
+    } else {
+        return x.get();
+    }
+}
 
 namespace detail {
 /// Events created by the library and not yet destroyed (leak checks in tests).
@@ -256,6 +301,16 @@ private:
     long m_outstanding = 0;
 };
 
+class event_ref;
+namespace detail {
+/// An event_like type that event_ref's own constructors do not already take.
+template <class E>
+concept foreign_event = event_like<E> && !std::same_as<std::remove_cvref_t<E>, event_ref> &&
+                        !std::same_as<std::remove_cvref_t<E>, cudaEvent_t> &&
+                        !std::same_as<std::remove_cvref_t<E>, event> &&
+                        !std::same_as<std::remove_cvref_t<E>, pooled_event>;
+} // namespace detail
+
 /// A non-owning view of a CUDA event. Inside a task, `co_await ev` resumes once the work the
 /// event captured completed; the event must outlive the await.
 class event_ref : public detail::event_ops<event_ref> {
@@ -267,6 +322,14 @@ public:
     event_ref(const event& e) : m_handle(e.get()) {}
     /// @throws usage_error for an empty pooled_event
     event_ref(const pooled_event& e) : m_handle(e.get()) {}
+    /// Views the event of another library's event type: implicit where that type converts
+    /// implicitly to cudaEvent_t, explicit where only a member names the event (an owner such as
+    /// a std::unique_ptr<CUevent_st, D> has `.get()` too, and a silent view of a temporary owner
+    /// would dangle).
+    /// @throws what the type's accessor throws
+    template <detail::foreign_event E>
+    constexpr explicit(!std::is_convertible_v<const E&, cudaEvent_t>) event_ref(const E& e)
+        : m_handle(native_event(e)) {}
 
     /// The raw handle; never throws (a view has no moved-from state).
     [[nodiscard]] constexpr cudaEvent_t get() const noexcept { return m_handle; }

@@ -6,8 +6,9 @@
 //   memory_kind_of<R>                          the kind a range type states, if it states one
 //
 // A type states where its memory lives with `static constexpr memory_kind memory = ...;`
-// (pinned_buffer, mapped_buffer and device_buffer do); copy and the pipeline ask the type first
-// and the driver only for other ranges.
+// (pinned_buffer, mapped_buffer, device_buffer and managed_buffer do); copy and the pipeline ask
+// the type first and the driver only for other ranges. Managed memory (cudaMallocManaged) is
+// `managed` whether its pages are resident on the host or on a device at the time.
 
 #include <cudawait/error.hpp>
 

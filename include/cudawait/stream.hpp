@@ -7,9 +7,19 @@
 //   class stream;      owning, non-blocking stream with a priority; synchronised before it is
 //                      destroyed; release() / from_native_handle() hand ownership across
 //   s.is_done()  s.sync()  s.wait(event)  s.device()  s.priority()   on both (ready(): is_done)
+//   concept stream_like<T>;  a stream type of another library (PyTorch's CUDAStream, rmm's
+//                      cuda_stream_view, cuda::stream_ref, ...): a class explicitly convertible
+//                      to cudaStream_t, or one with .stream(), .value() or .get() returning it
+//   native_stream(x)   the cudaStream_t of a stream_like x
 //
 // Inside a task, `co_await s` resumes once all work enqueued on `s` before the await finished
-// (scheduler.hpp).
+// (scheduler.hpp); `s` may be any stream_like type, and stream_ref(x) views one.
+//
+// The legacy default stream. Streams made by this library are non-blocking: they do not wait
+// for work on the legacy default stream (stream 0, cudaStreamLegacy: kernels launched without
+// a stream, cudaMemcpy, cudaMemset), and it does not wait for them. Work another library or
+// older code put there is ordered with a cudawait stream only through an event:
+// wait_for_legacy_stream(s) / legacy_stream_wait_for(s) (interop.hpp) do that.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -17,8 +27,10 @@
 #include <cudawait/detail/stream_ops.hpp>
 
 #include <atomic>
+#include <concepts>
 #include <cstddef>
 #include <source_location>
+#include <type_traits>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -37,6 +49,61 @@ namespace detail {
 inline std::atomic<long> g_live_streams{0};
 } // namespace detail
 
+namespace detail {
+template <class T>
+concept has_stream_member = requires(const T& t) {
+    requires std::same_as<std::remove_cvref_t<decltype(t.stream())>, cudaStream_t>;
+};
+template <class T>
+concept has_value_member = requires(const T& t) {
+    requires std::same_as<std::remove_cvref_t<decltype(t.value())>, cudaStream_t>;
+};
+template <class T>
+concept has_stream_get = requires(const T& t) {
+    requires std::same_as<std::remove_cvref_t<decltype(t.get())>, cudaStream_t>;
+};
+// Class types only: a void* or a nullptr would otherwise pass for a stream through static_cast.
+template <class T>
+concept converts_to_stream = std::is_class_v<T> && requires(const T& t) {
+    static_cast<cudaStream_t>(t);
+};
+} // namespace detail
+
+/// A stream type of another library, or cudaStream_t itself: a class explicitly convertible to
+/// cudaStream_t, or one whose `.stream()`, `.value()` or `.get()` returns one (asked in that
+/// order; PyTorch's c10::cuda::CUDAStream has `.stream()` and a conversion, rmm's
+/// cuda_stream_view `.value()` and a conversion, cuda::stream_ref `.get()`).
+template <class T>
+concept stream_like = std::same_as<std::remove_cvref_t<T>, cudaStream_t> ||
+    detail::converts_to_stream<std::remove_cvref_t<T>> ||
+    detail::has_stream_member<std::remove_cvref_t<T>> ||
+    detail::has_value_member<std::remove_cvref_t<T>> ||
+    detail::has_stream_get<std::remove_cvref_t<T>>;
+
+/// The cudaStream_t that `x` names (see stream_like for the order in which it is asked).
+/// @throws what x's accessor throws (cudawait::stream: usage_error when moved from)
+template <stream_like S>
+[[nodiscard]] constexpr cudaStream_t native_stream(const S& x) {
+    using plain = std::remove_cvref_t<S>;
+    if constexpr (std::same_as<plain, cudaStream_t> || detail::converts_to_stream<plain>) {
+        return static_cast<cudaStream_t>(x);
+    } else if constexpr (detail::has_stream_member<plain>) {
+        return x.stream();
+    } else if constexpr (detail::has_value_member<plain>) {
+        return x.value();
+    } else {
+        return x.get();
+    }
+}
+
+class stream_ref;
+namespace detail {
+/// A stream_like type that stream_ref's own constructors do not already take.
+template <class S>
+concept foreign_stream = stream_like<S> && !std::same_as<std::remove_cvref_t<S>, stream_ref> &&
+                         !std::same_as<std::remove_cvref_t<S>, cudaStream_t>;
+} // namespace detail
+
 /// A non-owning view of a CUDA stream. Cheap to copy; never destroys the stream.
 class stream_ref : public detail::stream_ops<stream_ref> {
 public:
@@ -45,6 +112,16 @@ public:
     constexpr stream_ref(cudaStream_t handle) noexcept : m_handle(handle) {}
     stream_ref(int) = delete;
     stream_ref(std::nullptr_t) = delete;
+    /// Views the stream of another library's stream type. Implicit where that type converts
+    /// implicitly to cudaStream_t: it says it is a stream handle, so a view surprises no one, and
+    /// without this constructor the two conversions in a row (to cudaStream_t, then to
+    /// stream_ref) are ones the language never chains. Explicit where only a member names the
+    /// stream: `.get()` and `.value()` also belong to owners (a std::unique_ptr<CUstream_st, D>,
+    /// a std::optional<cudaStream_t>), and a silent view of a temporary owner would dangle.
+    /// @throws what the type's accessor throws
+    template <detail::foreign_stream S>
+    constexpr explicit(!std::is_convertible_v<const S&, cudaStream_t>) stream_ref(const S& s)
+        : m_handle(native_stream(s)) {}
 #if CUDAWAIT_HAS_CUDA_STREAM_REF
     constexpr stream_ref(::cuda::stream_ref s) noexcept : m_handle(s.get()) {}
     constexpr operator ::cuda::stream_ref() const noexcept { return ::cuda::stream_ref(m_handle); }

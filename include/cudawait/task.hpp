@@ -8,8 +8,10 @@
 //
 // A task starts only when awaited (or handed to sync_wait / a scope). It inherits the scheduler
 // of the coroutine that awaits it, and its promise routes `co_await` on streams, events, timers
-// and `schedule()` to that scheduler (scheduler.hpp). Completion hands control straight back to
-// the awaiting coroutine (symmetric transfer), so deep chains do not grow the stack.
+// and `schedule()` to that scheduler (scheduler.hpp). Streams and events of other libraries
+// (stream_like, event_like: stream.hpp, event.hpp) are awaited as the raw handle they name.
+// Completion hands control straight back to the awaiting coroutine (symmetric transfer), so deep
+// chains do not grow the stack.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -93,6 +95,18 @@ public:
             return await_on(self, stream_ref(a), where);
         } else if constexpr (std::is_convertible_v<A, event_ref>) {
             return await_on(self, event_ref(a), where);
+        } else if constexpr (stream_like<A> || event_like<A>) {
+            // Another library's stream or event type that names its handle only through a member
+            // or an explicit conversion: the view's constructor from it is explicit (stream.hpp
+            // says why), and awaiting it says plainly which handle is meant.
+            static_assert(!(stream_like<A> && event_like<A>),
+                          "cudawait: this type names both a stream and an event; co_await "
+                          "stream_ref(native_stream(x)) or event_ref(native_event(x))");
+            if constexpr (stream_like<A>) {
+                return await_on(self, stream_ref(native_stream(a)), where);
+            } else {
+                return await_on(self, event_ref(native_event(a)), where);
+            }
         } else {
             // Awaiters are handed back by value. g++ 12 (seen with 12.2; clang 14 is fine) copies
             // an awaiter that a call returns by lvalue reference, as await_transform would here,
