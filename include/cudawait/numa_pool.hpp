@@ -83,7 +83,7 @@ public:
                               "and at most 64 GiB");
         }
 #if defined(__linux__)
-        std::byte* p = map_aligned(bytes);
+        std::byte* p = detail::map_huge_aligned(bytes, alignment);
         try {
             place(p, bytes);
             detail::fault_in(p, bytes);
@@ -122,32 +122,6 @@ public:
     }
 
 private:
-#if defined(__linux__)
-    // Maps 2 MiB extra and trims, so that the slab starts on a huge-page boundary.
-    static std::byte* map_aligned(std::size_t bytes) {
-        std::size_t span = bytes + alignment;
-        void* raw =
-            ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (raw == MAP_FAILED) {
-            throw std::bad_alloc();
-        }
-        auto addr = reinterpret_cast<std::uintptr_t>(raw);
-        std::uintptr_t aligned = (addr + alignment - 1) / alignment * alignment;
-        std::size_t head = aligned - addr;
-        if (head != 0) {
-            ::munmap(raw, head);
-        }
-        if (std::size_t tail = span - head - bytes; tail != 0) {
-            ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
-        }
-        auto* p = reinterpret_cast<std::byte*>(aligned);
-#if defined(MADV_HUGEPAGE)
-        (void)::madvise(p, bytes, MADV_HUGEPAGE); // a hint; without it the slab still works
-#endif
-        return p;
-    }
-#endif
-
     // Before the first touch: the policy decides where each page is faulted in.
     void place(std::byte* p, std::size_t bytes) {
         int mode = m_policy == numa_policy::bind ? detail::mpol_bind : detail::mpol_preferred;

@@ -163,6 +163,35 @@ public:
     }
 };
 
+#if defined(__unix__)
+namespace detail {
+/// An anonymous mapping of `bytes` that starts on an `alignment` boundary (a huge-page size):
+/// `alignment` extra bytes are mapped and the ends trimmed; transparent huge pages requested.
+/// @throws std::bad_alloc
+[[nodiscard]] inline std::byte* map_huge_aligned(std::size_t bytes, std::size_t alignment) {
+    std::size_t span = bytes + alignment;
+    void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) {
+        throw std::bad_alloc();
+    }
+    auto addr = reinterpret_cast<std::uintptr_t>(raw);
+    std::uintptr_t aligned = (addr + alignment - 1) / alignment * alignment;
+    std::size_t head = aligned - addr;
+    if (head != 0) {
+        ::munmap(raw, head);
+    }
+    if (std::size_t tail = span - head - bytes; tail != 0) {
+        ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+    }
+    auto* p = reinterpret_cast<std::byte*>(aligned);
+#if defined(MADV_HUGEPAGE)
+    (void)::madvise(p, bytes, MADV_HUGEPAGE); // a hint; without it the slab still works
+#endif
+    return p;
+}
+} // namespace detail
+#endif
+
 /// Where a pool's slabs come from: page-locked, 2 MiB-aligned ranges whose size is a multiple
 /// of 2 MiB.
 class slab_source {
@@ -227,26 +256,7 @@ public:
 private:
 #if defined(__unix__)
     void* map_and_register(std::size_t bytes) {
-        // Map 2 MiB extra and trim, so that the slab starts on a huge-page boundary.
-        std::size_t span = bytes + alignment;
-        void* raw =
-            ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (raw == MAP_FAILED) {
-            throw std::bad_alloc();
-        }
-        auto addr = reinterpret_cast<std::uintptr_t>(raw);
-        std::uintptr_t aligned = (addr + alignment - 1) / alignment * alignment;
-        std::size_t head = aligned - addr;
-        if (head != 0) {
-            ::munmap(raw, head);
-        }
-        if (std::size_t tail = span - head - bytes; tail != 0) {
-            ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
-        }
-        auto* p = reinterpret_cast<std::byte*>(aligned);
-#if defined(MADV_HUGEPAGE)
-        (void)::madvise(p, bytes, MADV_HUGEPAGE); // a hint; without it the slab still works
-#endif
+        std::byte* p = detail::map_huge_aligned(bytes, alignment);
         prefault(p, bytes);
         cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
         if (st == cudaSuccess) {
