@@ -17,7 +17,9 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 
 if has build; then
   echo "== build"
-  { cmake --preset gpu && cmake --build --preset gpu; } >"$logs/build.log" 2>&1 || { tail -50 "$logs/build.log"; exit 1; }
+  # Torch's CMake package, where Python has it: the torch_stage example is built and tested then.
+  torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+  { cmake --preset gpu ${torch_prefix:+-DCMAKE_PREFIX_PATH=$torch_prefix} && cmake --build --preset gpu; } >"$logs/build.log" 2>&1 || { tail -50 "$logs/build.log"; exit 1; }
 fi
 if has test; then
   echo "== test"
@@ -63,6 +65,9 @@ if has memcheck; then
     "-*no_device*:*without_a_device*:*sticky_fault*:*timeout*:*hung*:*slow_chunk*:*suggested_chunk_size*:*overlap*:$failing_launches" 300
   run_memcheck pipeline_test "$failing_launches" 300 --report-api-errors no
   run_memcheck scheduler_test '-*kernel_fault*:*no_device*:*ten_thousand*' 120
+  # Foreign streams and events, the legacy stream, managed memory and prefetch.
+  run_memcheck interop_test '-*no_device*:*without_a_device*' 180
+  run_memcheck managed_buffer_test '-*no_device*:*without_a_device*' 180
   # The timeline's overlap test and the demo's trace measure overlap, the link's utilisation test
   # the host's pace; describe_link's test asks for a device that does not exist on purpose.
   run_memcheck timeline_test '-*overlaps*:*the_demo*' 180

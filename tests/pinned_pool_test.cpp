@@ -1579,8 +1579,9 @@ TEST_F(pinned_pool_gpu, a_block_freed_in_stream_order_waits_for_the_kernel_readi
     flag.write(0, 0);
     std::uint32_t* sum = nullptr;
     ASSERT_EQ(cudaMallocAsync(&sum, sizeof(std::uint32_t), s.get()), cudaSuccess);
-    // The kernel waits for the flag (10 s at most), then a kernel reads the block.
-    ASSERT_EQ(cudawait::testing::launch_wait_flag(flag.device, 10'000'000'000ull, s.get()),
+    // The kernel waits for the flag (60 s at most: growing the pool under a sanitizer takes
+    // seconds), then a kernel reads the block.
+    ASSERT_EQ(cudawait::testing::launch_wait_flag(flag.device, 60'000'000'000ull, s.get()),
               cudaSuccess);
     ASSERT_EQ(cudawait::testing::launch_sum(b, n, sum, s.get()), cudaSuccess);
     cudawait::testing::ref_deallocate_async(r, b, n * 4, s.get());
