@@ -3,8 +3,8 @@
 
 // Synopsis
 //   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
-//                     streams, graph, timing, timeouts, callbacks, staging pool, device
-//                     memory resource, timeline)
+//                     streams, graph, copies in pieces, timing, timeouts, callbacks, staging
+//                     pool, device memory resource, timeline)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
