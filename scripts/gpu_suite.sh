@@ -28,6 +28,7 @@ if has test; then
 fi
 if has bench; then
   echo "== benchmarks"
+  # Every *_bench the build made (await, lane, memory, pipeline, nccl where NCCL was found).
   for b in "$build"/benchmarks/*_bench; do
     name=$(basename "$b")
     timeout 300 "$b" --benchmark_out="$logs/$name.json" --benchmark_out_format=json >"$logs/$name.log" 2>&1 || status=1
@@ -58,6 +59,8 @@ if has memcheck; then
     run_memcheck "${t}_test" "-*kernel_fault*:*no_device*:*without_a_device*:*churn*:$failing_calls" 180
   done
   run_memcheck device_buffer_test "$failing_calls" 120 --report-api-errors no
+  # The copy lanes: the test that a lane copy passes a busy stream times it against a kernel.
+  run_memcheck copy_lane_test '-*without_a_device*:*does_not_wait*' 180
   run_memcheck event_test "$failing_calls" 120 --report-api-errors no
   failing_launches='*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*throwing_fallback*:*writes_the_report*:*depth_recovers*'
   # The chunk-size, stage-overlap and slow-chunk tests compare times, which the sanitizer skews.

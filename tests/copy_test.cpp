@@ -525,4 +525,104 @@ TEST_F(copy_gpu, device_to_device_between_the_first_and_last_device_is_exact_eit
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
+// ---- copies on the device's copy lanes (copy_lane.hpp) -----------------------------------------
+
+TEST(copy_lane, bad_arguments_are_usage_errors_at_the_call) {
+    std::vector<int> a(10);
+    std::vector<int> b(11);
+    using cudawait::lane;
+    EXPECT_THROW((void)copy(a, b), usage_error);
+    EXPECT_THROW((void)copy(a, b, lane::small), usage_error);
+    EXPECT_THROW((void)copy(a, b, lane::bulk, copy_options{}), usage_error);
+    std::vector<int> empty;
+    EXPECT_THROW((void)copy(empty, std::vector<int>{}), usage_error);
+    EXPECT_THROW(
+        (void)copy(std::span<int>(a.data() + 2, 5), std::span<const int>(a.data(), 5), lane::small),
+        usage_error)
+        << "overlap";
+    EXPECT_THROW((void)copy(std::span<int>(static_cast<int*>(nullptr), 4),
+                            std::span<const int>(a.data(), 4)),
+                 usage_error);
+}
+
+// Each of the three memory kinds on the host side of a lane copy, to the device and back, at
+// sizes on the small lane (one element, odd, 4 KiB, the threshold) and above it (the bulk lane),
+// through the lane the size picks and through each named one; every element checked against
+// random data, into poisoned memory.
+TEST_F(copy_gpu, lane_copies_of_every_memory_kind_are_exact) {
+    using cudawait::lane;
+    cudawait::stream s;
+    cudawait::scheduler sched;
+    const copy_options opt; // small_bytes 64 KiB
+    std::uint64_t seed = 100;
+    for (std::size_t bytes :
+         {std::size_t{4}, std::size_t{4100}, 4_KiB, 64_KiB, 64_KiB + 4, 1_MiB + 12}) {
+        const std::size_t n = bytes / sizeof(std::uint32_t);
+        for (int how = 0; how < 3; ++how) { // 0: by size, 1: lane::small, 2: lane::bulk
+            SCOPED_TRACE(::testing::Message() << bytes << " bytes, way " << how);
+            auto trip = [&](auto& dst, const auto& src) -> cudawait::task<void> {
+                if (how == 0) {
+                    co_await copy(dst, src, opt);
+                } else {
+                    co_await copy(dst, src, how == 1 ? lane::small : lane::bulk, opt);
+                }
+            };
+            device_buffer<std::uint32_t> dev(n, s);
+            device_buffer<std::uint32_t> dev2(n, s);
+            ASSERT_EQ(cudaMemsetAsync(dev.data(), 0xcd, bytes, s.get()), cudaSuccess);
+            ASSERT_EQ(cudaMemsetAsync(dev2.data(), 0xcd, bytes, s.get()), cudaSuccess);
+            s.sync(); // a lane copy is not ordered with `s`
+
+            // Pageable (staged through one pinned block) to the device and back.
+            auto want = random_words(n, seed++);
+            std::vector<std::uint32_t> back(n, 0xdeadbeef);
+            cudawait::sync_wait(sched, trip(dev, want));
+            cudawait::sync_wait(sched, trip(back, dev));
+            ASSERT_EQ(back, want) << "pageable";
+
+            // Device to device (the destination device's h2d stream), then pinned back.
+            cudawait::sync_wait(sched, trip(dev2, dev));
+            pinned_buffer<std::uint32_t> pin(n);
+            std::memset(pin.data(), 0xab, bytes);
+            cudawait::sync_wait(sched, trip(pin, dev2));
+            ASSERT_EQ(std::memcmp(pin.data(), want.data(), bytes), 0) << "device, then pinned";
+
+            // Pinned to the device, read back through the caller's stream.
+            want = random_words(n, seed++);
+            std::memcpy(pin.data(), want.data(), bytes);
+            cudawait::sync_wait(sched, trip(dev, pin));
+            ASSERT_EQ(read_back(dev, s), want) << "pinned";
+            s.sync();
+        }
+    }
+}
+
+// The lane a copy takes: the device's small or bulk lane as its size or the caller says, and
+// the stream of its direction.
+TEST_F(copy_gpu, lane_copies_go_on_the_lane_of_their_size_and_direction) {
+    using cudawait::copy_direction;
+    using cudawait::lane;
+    using cudawait::detail::lane_stream;
+    using cudawait::detail::make_plan;
+    cudawait::stream s;
+    auto& lanes = cudawait::copy_lanes::for_device(cudawait::device_ref(0));
+    device_buffer<std::uint32_t> small_dev(16, s);
+    device_buffer<std::uint32_t> big_dev(1_MiB, s);
+    std::vector<std::uint32_t> small_host(16);
+    pinned_buffer<std::uint32_t> big_host(1_MiB);
+    const copy_options opt;
+    auto plan = make_plan(small_dev, small_host, opt);
+    EXPECT_EQ(lane_stream(plan, lane::small), lanes.get(lane::small, copy_direction::h2d));
+    EXPECT_EQ(lane_stream(plan, lane::bulk), lanes.get(lane::bulk, copy_direction::h2d));
+    plan = make_plan(small_host, small_dev, opt);
+    EXPECT_EQ(lane_stream(plan, lane::small), lanes.get(lane::small, copy_direction::d2h));
+    plan = make_plan(big_host, big_dev, opt);
+    EXPECT_EQ(lane_stream(plan, lane::bulk), lanes.get(lane::bulk, copy_direction::d2h));
+    device_buffer<std::uint32_t> other_dev(1_MiB, s);
+    plan = make_plan(other_dev, big_dev, opt);
+    EXPECT_EQ(lane_stream(plan, lane::small), lanes.get(lane::small, copy_direction::h2d))
+        << "device to device: the destination's h2d stream";
+    s.sync();
+}
+
 } // namespace

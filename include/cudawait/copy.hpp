@@ -4,6 +4,9 @@
 // Synopsis
 //   co_await copy(dst, src, stream);       inside a task: resumes once the bytes are in place
 //   copy_async(dst, src, stream);          enqueue only (see below for pageable memory)
+//   co_await copy(dst, src);               on a copy lane of the device (copy_lane.hpp): the
+//                                          small lane up to options.small_bytes, else the bulk
+//   co_await copy(dst, src, lane::small);  on the named lane, whatever the size
 //   (memory_kind and classify live in memory_kind.hpp)
 //
 // `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
@@ -35,7 +38,15 @@
 // in `s` only, so the choice is whichever stream already orders the work around the copy (the
 // producer's, as a rule); work of the other device must be ordered by the caller (an event).
 // Device memory of one device is copied with cudaMemcpyAsync, as before.
+//
+// Copies on a lane (no stream argument) go on the lanes of the device whose memory they touch
+// (the destination's where both sides are device memory; the current device where neither
+// is): on its h2d stream where the destination is device or managed memory, else on its d2h
+// stream. They are ordered with that lane's earlier copies only (copy_lane.hpp says what that
+// asks of the caller). A small pageable copy goes through one pinned block of its own size from
+// the pool, so the scheduler's thread never waits for the DMA.
 
+#include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -71,6 +82,9 @@ struct copy_options {
     std::size_t chunk_bytes = std::size_t{8} << 20;
     /// Chunks in flight (2 at least).
     unsigned depth = 3;
+    /// Copies on a lane without one named (`copy(dst, src)`) of at most this many bytes go on
+    /// the small lane, larger ones on the bulk lane (copy_lane.hpp).
+    std::size_t small_bytes = std::size_t{64} << 10;
 };
 
 namespace detail {
@@ -199,6 +213,26 @@ inline void enqueue_direct(const copy_plan& plan, stream_ref s) {
     }
 }
 
+/// The stream of lane `l` that `plan` goes on: the lanes of the device whose memory it touches
+/// (the destination's first; else the current device), the h2d stream where the destination
+/// is device or managed memory, else the d2h stream.
+/// @throws cuda_error; usage_error (copy_lanes::for_device after fork)
+inline stream_ref lane_stream(const copy_plan& plan, lane l) {
+    const bool to_device =
+        plan.dst_kind == memory_kind::device || plan.dst_kind == memory_kind::managed;
+    int dev = -1;
+    if (plan.dst_kind == memory_kind::device) {
+        dev = plan.dst_device >= 0 ? plan.dst_device : pointer_device(plan.dst);
+    }
+    if (dev < 0 && plan.src_kind == memory_kind::device) {
+        dev = plan.src_device >= 0 ? plan.src_device : pointer_device(plan.src);
+    }
+    // Memory a range only states to be device memory, and managed or host memory on both
+    // sides, has no device of its own: the current one serves it.
+    const device_ref d = dev >= 0 ? device_ref(dev) : current_device();
+    return copy_lanes::for_device(d).get(l, to_device ? copy_direction::h2d : copy_direction::d2h);
+}
+
 inline task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
     if (!plan.staged()) {
         enqueue_direct(plan, s);
@@ -248,6 +282,24 @@ struct copy_fn {
                                         const copy_options& opt = {}) const {
         return copy_task(make_plan(dst, src, opt), s, opt);
     }
+
+    template <class Dst, class Src>
+    requires copyable_pair<Dst, Src>
+    [[nodiscard]] task<void> operator()(Dst&& dst, Src&& src, lane l,
+                                        const copy_options& opt = {}) const {
+        copy_plan plan = make_plan(dst, src, opt);
+        const stream_ref s = lane_stream(plan, l);
+        return copy_task(plan, s, opt);
+    }
+
+    template <class Dst, class Src>
+    requires copyable_pair<Dst, Src>
+    [[nodiscard]] task<void> operator()(Dst&& dst, Src&& src, const copy_options& opt = {}) const {
+        copy_plan plan = make_plan(dst, src, opt);
+        const stream_ref s =
+            lane_stream(plan, plan.bytes <= opt.small_bytes ? lane::small : lane::bulk);
+        return copy_task(plan, s, opt);
+    }
 };
 
 } // namespace detail
@@ -265,9 +317,15 @@ inline constexpr detail::copy_async_fn copy_async{};
 /// the task enqueues the copy and resumes once the bytes are in place. The ranges are checked at
 /// the call, so bad arguments throw before anything is awaited; their memory must stay valid
 /// until the await completes.
+///
+/// `co_await copy(dst, src, l, options = {})` makes the copy on lane `l` of the device
+/// (copy_lane.hpp) instead of a stream of the caller's, and `co_await copy(dst, src, options =
+/// {})` on the small lane for at most options.small_bytes, else on the bulk lane: for control
+/// copies that must not wait behind bulk transfers. Such a copy is ordered with the lane's
+/// earlier copies only.
 /// @throws usage_error (at the call) for sizes that differ, zero elements, null data or
 ///         overlapping ranges; cuda_error (at the call for an unusable pointer, else from the
-///         await)
+///         await); a lane copy also what copy_lanes::for_device throws, at the call
 inline constexpr detail::copy_fn copy{};
 
 } // namespace cudawait

@@ -10,6 +10,7 @@
 // `cudaMallocHost(&float_ptr, bytes)`. The individual headers include only <cuda_runtime_api.h>.
 
 #include <cudawait/copy.hpp>
+#include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
 #include <cudawait/device_buffer.hpp>
 #include <cudawait/error.hpp>

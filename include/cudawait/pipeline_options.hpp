@@ -3,8 +3,8 @@
 
 // Synopsis
 //   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
-//                     streams, graph, timing, timeouts, callbacks, staging pool, device
-//                     memory resource, timeline)
+//                     streams, graph, copies in pieces, timing, timeouts, callbacks, staging
+//                     pool, device memory resource, timeline)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
@@ -202,6 +202,11 @@ struct pipeline_options {
     bool stage_streams = false;
     /// Replay each slot's work as a CUDA graph (full chunks; a short last chunk runs plainly).
     bool graph = false;
+    /// Each chunk's H2D and D2H copy enqueued as copies of at most this many bytes, in order on
+    /// the same stream, so that a small copy on another stream (the small copy lane,
+    /// copy_lane.hpp) waits for one piece at most, not for the whole chunk. 0: one copy per
+    /// chunk. Graph replays copy whole chunks (one memcpy node each).
+    std::size_t copy_piece_bytes = 0;
     /// Timing events per stage, for stats() and alerts.
     bool timing = false;
     /// Alert when achieved H2D or D2H bandwidth over `alert_window` chunks stays below this

@@ -42,6 +42,7 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/trace.hpp>
 
+#include <cudawait/detail/copy_pieces.hpp>
 #include <cudawait/detail/pipeline_monitor.hpp>
 
 #include <algorithm>
@@ -298,9 +299,8 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::h2d_start].record(h2d);
             }
-            check(cudaMemcpyAsync(sl.dev_in.data(), src, f.count * sizeof(In),
-                                  cudaMemcpyHostToDevice, h2d.get()),
-                  "cudaMemcpyAsync");
+            enqueue_in_pieces(sl.dev_in.data(), src, f.count * sizeof(In), options.copy_piece_bytes,
+                              cudaMemcpyHostToDevice, h2d.get());
             if (f.timed) {
                 (*t)[m::h2d_end].record(h2d);
             }
@@ -327,9 +327,8 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::d2h_start].record(d2h);
             }
-            check(cudaMemcpyAsync(dst, sl.dev_out.data(), f.output_count * sizeof(Out),
-                                  cudaMemcpyDeviceToHost, d2h.get()),
-                  "cudaMemcpyAsync");
+            enqueue_in_pieces(dst, sl.dev_out.data(), f.output_count * sizeof(Out),
+                              options.copy_piece_bytes, cudaMemcpyDeviceToHost, d2h.get());
             if (f.timed) {
                 (*t)[m::d2h_end].record(d2h);
             }

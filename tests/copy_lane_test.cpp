@@ -1,0 +1,234 @@
+// SPDX-License-Identifier: Apache-2.0
+// copy_lane.hpp: the per-device transfer streams, and the pipeline's copies in pieces
+// (pipeline_options::copy_piece_bytes, detail/copy_pieces.hpp) that let a small copy pass
+// between them. Copies through the lanes, element by element, are in copy_test.cpp.
+#include <cudawait/copy.hpp>
+#include <cudawait/copy_lane.hpp>
+#include <cudawait/device_buffer.hpp>
+#include <cudawait/pinned_buffer.hpp>
+#include <cudawait/pipeline.hpp>
+#include <cudawait/scheduler.hpp>
+#include <cudawait/sync_wait.hpp>
+
+#include <cudawait/detail/copy_pieces.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "gpu_fixture.hpp"
+#include "no_device.hpp"
+#include "test_kernels.hpp"
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace cudawait::literals;
+using cudawait::copy_direction;
+using cudawait::copy_lanes;
+using cudawait::device_ref;
+using cudawait::lane;
+using u32 = std::uint32_t;
+
+std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
+    std::vector<u32> v(n);
+    std::mt19937_64 rng(seed);
+    for (auto& x : v) {
+        x = static_cast<u32>(rng());
+    }
+    return v;
+}
+
+// ---- without a device ------------------------------------------------------------------------
+
+TEST(copy_lane, names_and_the_default_threshold) {
+    EXPECT_EQ(cudawait::to_string(lane::small), "small");
+    EXPECT_EQ(cudawait::to_string(lane::bulk), "bulk");
+    EXPECT_EQ(cudawait::to_string(copy_direction::h2d), "h2d");
+    EXPECT_EQ(cudawait::to_string(copy_direction::d2h), "d2h");
+    EXPECT_EQ(cudawait::copy_options{}.small_bytes, 64_KiB);
+    EXPECT_EQ(cudawait::pipeline_options{}.copy_piece_bytes, 0u) << "whole chunks by default";
+}
+
+TEST(copy_lane, without_a_device_the_lanes_are_a_cuda_error) {
+    auto child = [] {
+        try {
+            (void)copy_lanes::for_device(device_ref(0));
+            std::fprintf(stderr, "no exception\n");
+            std::exit(1);
+        } catch (const cudawait::cuda_error& e) {
+            std::fprintf(stderr, "lanes failed cleanly: %s\n", e.what());
+        }
+        std::vector<u32> a(10, 1);
+        std::vector<u32> b(10, 2);
+        try {
+            (void)cudawait::copy(a, b, lane::small);
+            std::fprintf(stderr, "no exception\n");
+            std::exit(1);
+        } catch (const cudawait::cuda_error& e) {
+            std::fprintf(stderr, "lane copy failed cleanly: %s\n", e.what());
+            std::exit(a == std::vector<u32>(10, 1) ? 0 : 1);
+        }
+    };
+    CUDAWAIT_EXPECT_IN_CHILD_WITHOUT_DEVICE(child(), "lane copy failed cleanly");
+}
+
+// ---- with a GPU -------------------------------------------------------------------------------
+
+class copy_lane_gpu : public cudawait::testing::pool_gpu_test {};
+
+unsigned stream_flags(cudawait::stream_ref s) {
+    unsigned flags = 0;
+    cudawait::check(cudaStreamGetFlags(s.get(), &flags), "cudaStreamGetFlags");
+    return flags;
+}
+
+// The fixture also checks that stream::live_count() did not change: the lanes' streams are the
+// library's, for the process, and not counted among the streams users own.
+TEST_F(copy_lane_gpu, lanes_are_made_once_per_device_non_blocking_and_small_ones_high) {
+    for (int d = 0; d < cudawait::device_count(); ++d) {
+        SCOPED_TRACE(d);
+        const device_ref dev(d);
+        copy_lanes& lanes = copy_lanes::for_device(dev);
+        EXPECT_EQ(&copy_lanes::for_device(dev), &lanes) << "made once";
+        EXPECT_EQ(lanes.device(), d);
+        std::set<cudaStream_t> seen;
+        for (lane l : {lane::small, lane::bulk}) {
+            for (copy_direction dir : {copy_direction::h2d, copy_direction::d2h}) {
+                const cudawait::stream_ref s = lanes.get(l, dir);
+                ASSERT_NE(s.get(), nullptr);
+                seen.insert(s.get());
+                EXPECT_EQ(lanes.get(l, dir), s) << "the same stream every time";
+                EXPECT_EQ(s.device(), d);
+                EXPECT_NE(stream_flags(s) & cudaStreamNonBlocking, 0u)
+                    << "does not wait for the legacy default stream";
+                EXPECT_EQ(s.priority(), l == lane::small ? cudawait::priority_high(dev)
+                                                         : cudawait::priority_low(dev));
+            }
+        }
+        EXPECT_EQ(seen.size(), 4u) << "four queues";
+        EXPECT_EQ(cudawait::small_copy_stream(dev, copy_direction::h2d),
+                  lanes.get(lane::small, copy_direction::h2d));
+        EXPECT_EQ(cudawait::small_copy_stream(dev, copy_direction::d2h),
+                  lanes.get(lane::small, copy_direction::d2h));
+    }
+}
+
+TEST_F(copy_lane_gpu, threads_asking_at_once_get_the_one_set) {
+    const device_ref dev(0);
+    std::vector<copy_lanes*> got(8, nullptr);
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+        threads.emplace_back([&got, i, dev] { got[i] = &copy_lanes::for_device(dev); });
+    }
+    for (auto& t : threads) {
+        t.join();
+    }
+    for (copy_lanes* p : got) {
+        EXPECT_EQ(p, &copy_lanes::for_device(dev));
+    }
+}
+
+// A lane is ordered with nothing of the caller's: a small copy completes while a user stream is
+// still busy with a long kernel, and while the legacy default stream is.
+TEST_F(copy_lane_gpu, a_lane_copy_does_not_wait_for_the_callers_streams) {
+    cudawait::stream busy;
+    const std::size_t n = 1024;
+    auto want = random_words(n, 5);
+    cudawait::device_buffer<u32> dev(n, busy);
+    busy.sync();
+    std::vector<u32> back(n, 0xdeadbeef);
+    cudawait::scheduler sched;
+    // Once before the kernels: the lanes, the staging pool's first slab and the scheduler's
+    // events are made then (a page-locked allocation waits for the device's work).
+    cudawait::sync_wait(sched, cudawait::copy(dev, want, lane::small));
+    cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small));
+    ASSERT_EQ(back, want);
+    want = random_words(n, 55);
+    std::fill(back.begin(), back.end(), 0xdeadbeef);
+    ASSERT_EQ(cudawait::testing::launch_spin(500'000'000, nullptr, 0, busy.get()), cudaSuccess);
+    ASSERT_EQ(cudawait::testing::launch_spin(500'000'000, nullptr, 0, cudaStreamLegacy),
+              cudaSuccess);
+    cudawait::sync_wait(sched, cudawait::copy(dev, want, lane::small));
+    cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small));
+    EXPECT_FALSE(busy.is_done()) << "the copies waited for the busy stream";
+    EXPECT_EQ(cudaStreamQuery(cudaStreamLegacy), cudaErrorNotReady)
+        << "the copies waited for the legacy default stream";
+    EXPECT_EQ(back, want);
+    busy.sync();
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+}
+
+// The pieces: every byte arrives, for a size that is a multiple of the piece, one that is not,
+// one piece, and 0 (one copy), both directions.
+TEST_F(copy_lane_gpu, a_copy_in_pieces_is_exact) {
+    cudawait::stream s;
+    const std::size_t n = (1_MiB + 4100) / 4;
+    const std::size_t bytes = n * sizeof(u32);
+    auto want = random_words(n, 6);
+    cudawait::pinned_buffer<u32> in(n);
+    cudawait::pinned_buffer<u32> out(n);
+    std::memcpy(in.data(), want.data(), bytes);
+    cudawait::device_buffer<u32> dev(n, s);
+    for (std::size_t piece :
+         {std::size_t{0}, std::size_t{4096}, std::size_t{1000}, 64_KiB + 4, bytes, 2 * bytes}) {
+        SCOPED_TRACE(piece);
+        ASSERT_EQ(cudaMemsetAsync(dev.data(), 0xcd, bytes, s.get()), cudaSuccess);
+        std::memset(out.data(), 0xab, bytes);
+        cudawait::detail::enqueue_in_pieces(dev.data(), in.data(), bytes, piece,
+                                            cudaMemcpyHostToDevice, s.get());
+        cudawait::detail::enqueue_in_pieces(out.data(), dev.data(), bytes, piece,
+                                            cudaMemcpyDeviceToHost, s.get());
+        s.sync();
+        ASSERT_EQ(std::memcmp(out.data(), want.data(), bytes), 0);
+    }
+}
+
+// A pipeline whose copies go in pieces computes every element as one without: chunks of an odd
+// size, pieces that do not divide them, a short last chunk, pinned and pageable memory.
+TEST_F(copy_lane_gpu, a_pipeline_copying_in_pieces_produces_every_element) {
+    using pipe_t = cudawait::pipeline<u32>;
+    constexpr u32 salt = 0x1a2e;
+    cudawait::pipeline_options o;
+    o.depth = 3;
+    o.chunk_elements = 300'001;
+    o.copy_piece_bytes = 64_KiB + 12;
+    pipe_t pipe(o, {[](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
+                    cudawait::check(cudawait::testing::launch_transform(
+                                        in.data(), out.data(), in.size(), salt, 0, s.get()),
+                                    "launch_transform");
+                }});
+    const std::size_t total = 7 * o.chunk_elements + 12'345;
+    auto in = random_words(total, 7);
+    // The kernel's `i` is the element's index within its chunk.
+    std::vector<u32> want(total);
+    for (std::size_t off = 0; off < total; off += o.chunk_elements) {
+        const std::size_t k = std::min(o.chunk_elements, total - off);
+        cudawait::testing::transform_on_host(in.data() + off, want.data() + off, k, salt);
+    }
+    cudawait::scheduler sched;
+
+    std::vector<u32> out(total, 0xdeadbeef);
+    cudawait::sync_wait(sched, pipe.run(std::span<const u32>(in), std::span<u32>(out)));
+    EXPECT_EQ(out, want) << "pageable";
+
+    cudawait::pinned_buffer<u32> pin_in(total);
+    cudawait::pinned_buffer<u32> pin_out(total);
+    std::memcpy(pin_in.data(), in.data(), total * sizeof(u32));
+    std::memset(pin_out.data(), 0xee, total * sizeof(u32));
+    cudawait::sync_wait(sched, pipe.run(std::span<const u32>(pin_in.data(), total),
+                                        std::span<u32>(pin_out.data(), total)));
+    EXPECT_EQ(std::memcmp(pin_out.data(), want.data(), total * sizeof(u32)), 0) << "pinned";
+    EXPECT_EQ(pipe.stats().gpu_chunks, 8u);
+}
+
+} // namespace
