@@ -29,7 +29,8 @@
 // the same scheduler (poll_policy::spinning) runs the pipeline batch after batch; a copy counts
 // only if it ran within a batch's steady state (from kRampChunks chunk times after the batch
 // began to as many before it ended: both directions busy), and batches continue until each
-// direction has kSamples such copies. Each batch's output is poisoned (a strided sample and
+// direction has kSamples such copies (after kMaxBulkRuns batches, fewer do, kMinSamples at
+// least; the counts are printed). Each batch's output is poisoned (a strided sample and
 // every chunk's first and last element) before and checked after; a wrong value ends the
 // program. Latencies are the median and p99 (nearest rank); the summary's ratio divides a
 // variant's median under bulk by its median idle, measured in the same run.
@@ -79,8 +80,10 @@ constexpr std::size_t kChunk = kChunkBytes / sizeof(float);
 constexpr unsigned kDepth = 3;
 constexpr std::size_t kBulkBytes = 1_GiB; ///< one batch, each way
 constexpr std::size_t kBulk = kBulkBytes / sizeof(float);
-constexpr double kRampChunks = 3;       ///< chunk times at either end of a batch that do not count
-constexpr int kMaxBulkRuns = 64;        ///< batches per variant before giving up on kSamples
+constexpr double kRampChunks = 3; ///< chunk times at either end of a batch that do not count
+constexpr int kMaxBulkRuns = 400; ///< batches per variant before settling for fewer
+/// Steady small copies per direction below which a variant's figures mean nothing.
+constexpr std::size_t kMinSamples = 32;
 constexpr std::int64_t kBulkRounds = 5; ///< interleaved runs of each pipeline alone
 constexpr std::size_t kPieceMiB[] = {4, 8, 16};
 constexpr std::size_t kOutputStride = 4096; ///< one checked output element per this many
@@ -439,7 +442,9 @@ void measure_once() {
                                                 &windows, &runs, &stop, "bulk with " + v.name),
                                       small_copies(&small, v.how, 0, &stop, &log, v.name)));
         auto [h2d, d2h] = steady_latencies(log, windows);
-        if (h2d.size() < kSamples || d2h.size() < kSamples) {
+        std::printf("%s: %zu h2d and %zu d2h small copies within %zu batches' steady state\n",
+                    v.name.c_str(), h2d.size(), d2h.size(), runs.size());
+        if (h2d.size() < kMinSamples || d2h.size() < kMinSamples) {
             throw std::runtime_error(v.name + ": too few small copies within the bulk's steady "
                                               "state");
         }
