@@ -8,6 +8,7 @@
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/pipeline_options.hpp>
 
+#include <concepts>
 #include <type_traits>
 
 #include "counting_device_resource.hpp"
@@ -26,6 +27,19 @@ static_assert(
 static_assert(mr::resource_with<pinned_pool, mr::host_accessible, mr::device_accessible>);
 // CCCL 3.1's references take only copyable resources; the pool is not one.
 static_assert(!cudawait::is_device_resource_v<pinned_pool>);
+// Its view is: references and owning any_resources of both kinds are made from it.
+using cudawait::pinned_pool_resource;
+static_assert(std::copyable<pinned_pool_resource>);
+static_assert(mr::synchronous_resource_with<pinned_pool_resource, mr::host_accessible,
+                                            mr::device_accessible>);
+static_assert(mr::resource_with<pinned_pool_resource, mr::host_accessible, mr::device_accessible>);
+static_assert(std::is_constructible_v<mr::resource_ref<mr::host_accessible, mr::device_accessible>,
+                                      pinned_pool_resource&>);
+static_assert(std::is_constructible_v<
+              mr::synchronous_resource_ref<mr::host_accessible, mr::device_accessible>,
+              pinned_pool_resource&>);
+static_assert(std::is_constructible_v<mr::any_resource<mr::host_accessible, mr::device_accessible>,
+                                      pinned_pool_resource>);
 
 using counting = cudawait::testing::counting_device_resource;
 static_assert(mr::resource_with<counting, mr::device_accessible>);

@@ -28,12 +28,16 @@ inline void ref_deallocate(pool_ref r, void* p, std::size_t n) { r.deallocate(p,
 #endif
 
 // The stream-ordered forms: `resource_ref` with allocate(stream, ...) (CCCL 3.1 and later) or
-// `async_resource_ref` with allocate_async (CCCL 3.0).
+// `async_resource_ref` with allocate_async (CCCL 3.0), both made from the pool's copyable view
+// (pinned_pool::resource(), which must outlive the reference).
 #if CCCL_VERSION >= 3001000
 static_assert(
     cuda::mr::resource_with<pinned_pool, cuda::mr::host_accessible, cuda::mr::device_accessible>);
-// CCCL 3.1's references take only copyable resources, which the pool is not: the pool itself.
-using async_pool_ref = pinned_pool&;
+// CCCL 3.1's references take only copyable resources, which the pool is not: its view is.
+static_assert(cuda::mr::resource_with<pinned_pool_resource, cuda::mr::host_accessible,
+                                      cuda::mr::device_accessible>);
+using async_pool_ref =
+    cuda::mr::resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;
 inline void* ref_allocate_async(async_pool_ref r, std::size_t n, cudaStream_t s) {
     return r.allocate(::cuda::stream_ref(s), n, 256);
 }
@@ -42,6 +46,8 @@ inline void ref_deallocate_async(async_pool_ref r, void* p, std::size_t n, cudaS
 }
 #else
 static_assert(cuda::mr::async_resource_with<pinned_pool, cuda::mr::host_accessible,
+                                            cuda::mr::device_accessible>);
+static_assert(cuda::mr::async_resource_with<pinned_pool_resource, cuda::mr::host_accessible,
                                             cuda::mr::device_accessible>);
 using async_pool_ref =
     cuda::mr::async_resource_ref<cuda::mr::host_accessible, cuda::mr::device_accessible>;

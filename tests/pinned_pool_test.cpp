@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -952,6 +953,38 @@ TEST(pinned_pool, allocates_through_cuda_mr_resource_refs_made_by_gcc_and_by_nvc
 #endif
 }
 
+TEST(pinned_pool, its_copyable_view_allocates_from_it_and_compares_by_pool) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "this libcu++ has no memory resources";
+#else
+    static_assert(std::copyable<cudawait::pinned_pool_resource>);
+    host_pool h;
+    host_pool h2;
+    pinned_pool pool(h.options());
+    pinned_pool other(h2.options());
+    cudawait::pinned_pool_resource view = pool.resource();
+    const cudawait::pinned_pool_resource copy = view;
+    EXPECT_TRUE(copy == view);
+    EXPECT_FALSE(copy == other.resource());
+    EXPECT_EQ(&copy.pool(), &pool);
+    pool_ref ref{view};
+    auto* a = static_cast<std::uint8_t*>(ref_allocate(ref, 4000));
+    auto* b = static_cast<std::uint8_t*>(copy.allocate_sync(6000));
+    EXPECT_TRUE(pool.owns(a));
+    EXPECT_TRUE(pool.owns(b));
+    EXPECT_FALSE(other.owns(a));
+    EXPECT_EQ(pool.stats().requested_bytes, 10000u);
+    fill(a, 4000, 0x5a);
+    fill(b, 6000, 0xa5);
+    EXPECT_TRUE(all_equal(a, 4000, 0x5a));
+    EXPECT_TRUE(all_equal(b, 6000, 0xa5));
+    ref_deallocate(ref, a, 4000);
+    view.deallocate(b, 6000);
+    EXPECT_EQ(pool.stats().in_use_bytes, 0u);
+    EXPECT_EQ(other.stats().requested_bytes, 0u);
+#endif
+}
+
 // ---- with a GPU: real page-locked memory ----------------------------------------------------
 
 TEST(pinned_pool_no_device, growth_without_a_device_is_a_cuda_error) {
@@ -1564,7 +1597,8 @@ TEST_F(pinned_pool_gpu, a_block_freed_in_stream_order_waits_for_the_kernel_readi
     GTEST_SKIP() << "cuda::mr is not available";
 #else
     pinned_pool pool;
-    cudawait::testing::async_pool_ref r = pool;
+    cudawait::pinned_pool_resource view = pool.resource(); // copyable: what CCCL 3.1 refs need
+    cudawait::testing::async_pool_ref r = view;
     const std::size_t n = 1_MiB / 4;
     cudawait::stream s;
     auto* b = static_cast<std::uint32_t*>(cudawait::testing::ref_allocate_async(r, n * 4, s.get()));

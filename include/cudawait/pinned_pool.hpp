@@ -11,6 +11,9 @@
 //   pool.record_use(p, s);               the library's own copies and pipelines do this for you
 //   pool.deallocate(p);                  p is handed out again only once s has passed this point
 //   pinned_pool::size_for(depth, in, out)  what reserve() needs for a pipeline's staging buffers
+//   pinned_pool_resource r = pool.resource();  a copyable view of the pool as a cuda::mr resource
+//                                        (CCCL 3.1's resource_ref and any_resource take only
+//                                        copyable resources; the pool must outlive the view)
 //
 //   pool_exhausted      the cap on page-locked bytes was reached (derives std::bad_alloc)
 //   slab_source         where slabs come from (registered_slab_source by default; replaceable)
@@ -526,6 +529,8 @@ struct pool_block_extra {
 /// pending at that moment, and one thread grows it at a time: threads that miss together wait
 /// for the check or the growth in progress and look again. Thread-safe; CUDA calls are made
 /// outside the lock, and the hit path (free memory cached) takes one lock and makes no call.
+class pinned_pool_resource;
+
 class pinned_pool : public std::pmr::memory_resource {
 public:
     /// The smallest alignment and size step of a block.
@@ -826,6 +831,11 @@ public:
 #endif
 
     friend bool operator==(const pinned_pool& a, const pinned_pool& b) noexcept { return &a == &b; }
+
+    /// A copyable view of this pool as a cuda::mr resource (synchronous and stream-ordered, in
+    /// both CCCL spellings), for what takes only copyable resources: CCCL 3.1's resource_ref
+    /// and any_resource. The pool must outlive every copy.
+    [[nodiscard]] pinned_pool_resource resource() noexcept;
 
 private:
     using heap = detail::block_heap<detail::pool_block_extra>;
@@ -1224,6 +1234,70 @@ private:
 constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexcept {}
 /// The pool's memory is device-accessible (page-locked and registered for every device).
 constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
+#endif
+
+/// A pinned_pool seen as a cuda::mr resource, by pointer: copies view the same pool and compare
+/// equal. Every call goes to the pool, so its errors are the pool's. Views of a destroyed pool
+/// must not be used.
+class pinned_pool_resource {
+public:
+    explicit pinned_pool_resource(pinned_pool& pool) noexcept : m_pool(&pool) {}
+
+    [[nodiscard]] pinned_pool& pool() const noexcept { return *m_pool; }
+
+    /// CCCL 3.0's synchronous spelling.
+    [[nodiscard]] void* allocate(std::size_t bytes,
+                                 std::size_t alignment = pinned_pool::granule) const {
+        return m_pool->allocate(bytes, alignment);
+    }
+    void deallocate(void* p, std::size_t bytes,
+                    std::size_t alignment = pinned_pool::granule) const {
+        m_pool->deallocate(p, bytes, alignment);
+    }
+    /// CCCL 3.1's synchronous spelling.
+    [[nodiscard]] void* allocate_sync(std::size_t bytes,
+                                      std::size_t alignment = pinned_pool::granule) const {
+        return m_pool->allocate_sync(bytes, alignment);
+    }
+    void deallocate_sync(void* p, std::size_t bytes,
+                         std::size_t alignment = pinned_pool::granule) const {
+        m_pool->deallocate_sync(p, bytes, alignment);
+    }
+#if CUDAWAIT_HAS_CUDA_STREAM_REF
+    /// CCCL 3.0's stream-ordered spelling: freeing waits for the work enqueued on `s` so far.
+    [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment,
+                                       ::cuda::stream_ref s) const {
+        return m_pool->allocate_async(bytes, alignment, s);
+    }
+    void deallocate_async(void* p, std::size_t bytes, std::size_t alignment,
+                          ::cuda::stream_ref s) const {
+        m_pool->deallocate_async(p, bytes, alignment, s);
+    }
+    /// CCCL 3.1's stream-ordered spelling.
+    [[nodiscard]] void* allocate(::cuda::stream_ref s, std::size_t bytes,
+                                 std::size_t alignment) const {
+        return m_pool->allocate(s, bytes, alignment);
+    }
+    void deallocate(::cuda::stream_ref s, void* p, std::size_t bytes, std::size_t alignment) const {
+        m_pool->deallocate(s, p, bytes, alignment);
+    }
+#endif
+
+    friend bool operator==(const pinned_pool_resource& a, const pinned_pool_resource& b) noexcept {
+        return a.m_pool == b.m_pool;
+    }
+
+private:
+    pinned_pool* m_pool;
+};
+
+inline pinned_pool_resource pinned_pool::resource() noexcept { return pinned_pool_resource(*this); }
+
+#if CUDAWAIT_HAS_CUDA_MR
+/// A view's memory is the pool's: host-accessible.
+constexpr void get_property(const pinned_pool_resource&, cuda::mr::host_accessible) noexcept {}
+/// A view's memory is the pool's: device-accessible.
+constexpr void get_property(const pinned_pool_resource&, cuda::mr::device_accessible) noexcept {}
 #endif
 
 /// The process-wide pool that copies stage pageable memory through. It lives until the process
