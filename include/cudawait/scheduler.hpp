@@ -2,7 +2,8 @@
 #pragma once
 
 // Synopsis
-//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep with back-off
+//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep (woken by
+//                         sentinels when the GPU work completes, or with back-off)
 //   class scheduler;      the event loop that resumes coroutines when their GPU work finished
 //   sleep_for(d)          inside a task: `co_await sleep_for(5ms);`
 //   (with_timeout is in timeout.hpp)
@@ -16,7 +17,14 @@
 // coroutine) to that stream's FIFO. Events recorded on one stream complete in order, so each
 // sweep queries only the head of every FIFO with pending work: O(streams), not O(awaits).
 // Awaited user events are kept in a separate list and each is queried per sweep. No CUDA host
-// callbacks are used: they cost ~5x the latency of polling and may not call CUDA themselves.
+// callbacks are used on this path: they cost ~5x the latency of polling and may not call CUDA.
+//
+// Sentinels. Once nothing has been ready for the policy's spin and yield phases, the scheduler
+// arms a sentinel per pending wait (the head of each stream's FIFO and each user event): a
+// private stream waits for the event and then runs a CUDA host function that wakes the loop
+// (detail/idle_watch.hpp). The loop then sleeps until a sentinel, a post or a timer wakes it,
+// polling only every `sentinel_poll`: few wake-ups, and it resumes within a host function's
+// latency of the GPU finishing, where the sleep back-off alone would take up to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -32,6 +40,7 @@
 #include <cudawait/task.hpp>
 
 #include <cudawait/detail/detached.hpp>
+#include <cudawait/detail/idle_watch.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -63,30 +72,43 @@ namespace cudawait {
 /// until `spin + yield` has passed, then sleeps between polls, starting at `sleep_min` and
 /// doubling up to `sleep_max`. A post from another thread ends a sleep at once. With no GPU work
 /// pending the scheduler blocks until a post or its next timer, whatever the policy.
+///
+/// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
+/// stream that waits for the awaited event and then runs a CUDA host function that wakes the
+/// loop. While every pending wait has one, the loop sleeps until a sentinel, a post or a timer
+/// wakes it, and polls only every `sentinel_poll` (which bounds the latency if a sentinel cannot
+/// fire, e.g. in a context a fault killed). Where a sentinel cannot be armed (more than
+/// detail::idle_watch::max_armed waits, or a CUDA error) it sleeps with the back-off as before.
 struct poll_policy {
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
     std::chrono::nanoseconds sleep_min = std::chrono::microseconds(20);
     std::chrono::nanoseconds sleep_max = std::chrono::microseconds(1000);
+    /// Sentinels wake the sleep phase when the GPU work completes (see above).
+    bool sentinel = true;
+    /// While sentinels watch every pending wait, the loop still polls this often.
+    std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(20);
 
     /// Lowest latency, one core busy while anything is pending.
     [[nodiscard]] static constexpr poll_policy spinning() noexcept {
         return {std::chrono::nanoseconds::max() / 4, std::chrono::nanoseconds(0),
-                std::chrono::microseconds(20), std::chrono::microseconds(1000)};
+                std::chrono::microseconds(20), std::chrono::microseconds(1000), false};
     }
     /// Polls between `std::this_thread::yield()` calls; gives the core away to other threads.
     [[nodiscard]] static constexpr poll_policy yielding() noexcept {
         return {std::chrono::nanoseconds(0), std::chrono::nanoseconds::max() / 4,
-                std::chrono::microseconds(20), std::chrono::microseconds(1000)};
+                std::chrono::microseconds(20), std::chrono::microseconds(1000), false};
     }
     /// Sleeps between polls from the start, backing off from `min` to `max`: little CPU, a
-    /// resume latency of up to `max`.
+    /// resume latency of up to `max`. No sentinels: arming them would cost a few driver calls
+    /// per wait, short ones included (set `sentinel` to have them).
     [[nodiscard]] static constexpr poll_policy
     sleeping(std::chrono::nanoseconds min = std::chrono::microseconds(50),
              std::chrono::nanoseconds max = std::chrono::microseconds(2000)) noexcept {
-        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max};
+        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max, false};
     }
-    /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
+    /// The default: spin 200 us, yield until 1 ms, then sleep, woken by sentinels (polling
+    /// every 20 ms; 20 us .. 1 ms back-off where no sentinel could be armed).
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
 };
 
@@ -99,6 +121,7 @@ struct wait_node {
     int device = -1; ///< >= 0: a recycled event of that device; -1: the user's event
     std::coroutine_handle<> waiter;
     cudaError_t* status = nullptr;
+    bool watched = false; ///< a sentinel was armed on `event` (idle_watch)
 };
 
 struct stream_fifo {
@@ -757,6 +780,7 @@ private:
         const bool gpu = has_gpu_waits();
         const bool timers = !m_timers.empty();
         auto now = clock::now();
+        bool watched = false;
         if (gpu) {
             auto idle_for = now - last_progress;
             if (idle_for < m_policy.spin) {
@@ -767,23 +791,64 @@ private:
                 std::this_thread::yield();
                 return;
             }
+            if (m_policy.sentinel) {
+                watched = watch_pending();
+                now = clock::now();
+            }
         }
         std::unique_lock lock(m_remote_mutex);
         if (m_has_remote.load(std::memory_order_relaxed)) {
             return;
         }
         if (gpu) {
-            auto until = now + backoff;
+            auto until = now + (watched ? m_policy.sentinel_poll : backoff);
             if (timers) {
                 until = std::min(until, m_timers.front()->deadline);
             }
             m_remote_cv.wait_until(lock, until);
-            backoff = std::min(backoff * 2, m_policy.sleep_max);
+            if (!watched) {
+                backoff = std::min(backoff * 2, m_policy.sleep_max);
+            }
         } else if (timers) {
             m_remote_cv.wait_until(lock, m_timers.front()->deadline);
         } else {
             m_remote_cv.wait(lock);
         }
+    }
+
+    /// Arms a sentinel on every pending wait that has none. Returns whether every pending wait
+    /// is watched now (false: the loop must keep polling with its back-off).
+    bool watch_pending() noexcept {
+        bool all = true;
+        auto watch = [this, &all](detail::wait_node* n) noexcept {
+            if (!n->watched && all) {
+                if (m_idle_watch.arm(n->event, n->device) == cudaSuccess) {
+                    n->watched = true;
+                } else {
+                    all = false; // the rest keep polling; retried at the next sleep
+                }
+            }
+        };
+        for (detail::stream_fifo* f : m_active) {
+            if (f->head != nullptr) {
+                watch(f->head);
+            }
+        }
+        for (detail::wait_node* n : m_event_waits) {
+            watch(n);
+        }
+        return all;
+    }
+
+    /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
+    /// as a post does, without allocating.
+    static void sentinel_fired(void* self) noexcept {
+        auto* s = static_cast<scheduler*>(self);
+        {
+            std::lock_guard lock(s->m_remote_mutex);
+            s->m_has_remote.store(true, std::memory_order_release);
+        }
+        s->m_remote_cv.notify_one();
     }
 
     // ---- bookkeeping -----------------------------------------------------------------------
@@ -912,6 +977,9 @@ private:
     std::atomic<std::size_t> m_detached{0};
     std::mutex m_error_mutex;
     std::exception_ptr m_detached_error;
+    /// Last: destroyed first, so a sentinel firing during the destructor still finds the
+    /// members above (it takes m_remote_mutex), and none fires once it is gone.
+    detail::idle_watch m_idle_watch{&scheduler::sentinel_fired, this};
 };
 
 namespace detail {
@@ -961,6 +1029,10 @@ struct scheduler_access {
     static void resume_soon(scheduler& s, std::coroutine_handle<> h) { s.resume_soon(h); }
     [[nodiscard]] static bool on_loop_thread(const scheduler& s) noexcept {
         return s.on_loop_thread();
+    }
+    /// Private streams the scheduler's sentinels made so far (0: none was ever armed).
+    [[nodiscard]] static std::size_t sentinel_streams(const scheduler& s) noexcept {
+        return s.m_idle_watch.stream_count();
     }
     template <class Pred>
     static void run_from(scheduler& s, std::coroutine_handle<> first, Pred&& done) {
