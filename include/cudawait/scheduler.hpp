@@ -76,9 +76,11 @@ namespace cudawait {
 /// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
 /// stream that waits for the awaited event and then runs a CUDA host function that wakes the
 /// loop. While every pending wait has one, the loop sleeps until a sentinel, a post or a timer
-/// wakes it, and polls only every `sentinel_poll` (which bounds the latency if a sentinel cannot
-/// fire, e.g. in a context a fault killed). Where a sentinel cannot be armed (more than
-/// detail::idle_watch::max_armed waits, or a CUDA error) it sleeps with the back-off as before.
+/// wakes it, and polls only every `sentinel_poll`: that bounds the latency where a sentinel
+/// cannot fire (a context a fault killed) or fires late (CUDA may run the host functions of
+/// independent streams one at a time, so a user's long host function can hold one up). Where a
+/// sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA error) the
+/// loop sleeps with the back-off as before.
 struct poll_policy {
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
@@ -87,7 +89,7 @@ struct poll_policy {
     /// Sentinels wake the sleep phase when the GPU work completes (see above).
     bool sentinel = true;
     /// While sentinels watch every pending wait, the loop still polls this often.
-    std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(20);
+    std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(10);
 
     /// Lowest latency, one core busy while anything is pending.
     [[nodiscard]] static constexpr poll_policy spinning() noexcept {
@@ -108,7 +110,7 @@ struct poll_policy {
         return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max, false};
     }
     /// The default: spin 200 us, yield until 1 ms, then sleep, woken by sentinels (polling
-    /// every 20 ms; 20 us .. 1 ms back-off where no sentinel could be armed).
+    /// every 10 ms; 20 us .. 1 ms back-off where no sentinel could be armed).
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
 };
 
@@ -720,8 +722,13 @@ private:
         --m_stream_waits;
         ++m_completed[static_cast<std::size_t>(f->device)];
         f->spare.push_back(n->event);
-        complete(n, st);
-        run_ready();
+        std::coroutine_handle<> h = release_node(n, st);
+        if (m_ready.empty()) {
+            h.resume(); // what run_ready would do, without the trip through m_ready
+        } else {
+            m_ready.push_back(h);
+            run_ready();
+        }
     }
 
     bool poll_events() {
@@ -741,14 +748,18 @@ private:
         return progress;
     }
 
-    void complete(detail::wait_node* n, cudaError_t st) {
+    void complete(detail::wait_node* n, cudaError_t st) { m_ready.push_back(release_node(n, st)); }
+
+    /// Stores the wait's outcome, recycles its node and returns the coroutine to resume.
+    std::coroutine_handle<> release_node(detail::wait_node* n, cudaError_t st) {
         if (st != cudaSuccess) {
             (void)cudaGetLastError();
         }
         *n->status = st;
-        m_ready.push_back(n->waiter);
+        std::coroutine_handle<> h = n->waiter;
         *n = detail::wait_node{};
         m_free_nodes.push_back(n);
+        return h;
     }
 
     bool fire_timers() {
