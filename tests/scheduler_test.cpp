@@ -761,9 +761,10 @@ TEST_F(scheduler_gpu, a_sentinel_of_a_destroyed_watch_does_nothing) {
 }
 
 // A burst: 2,000 awaits queue on one stream behind a 50 ms kernel, each behind its own small
-// kernel that writes a random word; they all complete within microseconds, so the loop finds long
-// done prefixes and completes them without querying each event. Every coroutine must resume in
-// enqueue order, after its own kernel and every earlier one wrote.
+// kernel that writes a random word; most complete within microseconds, so the loop finds long
+// done prefixes and completes them without querying each event, while every 97th kernel spins
+// for 2 ms first, so that prefixes also end part-way (the bisection). Every coroutine must
+// resume in enqueue order, after its own kernel and every earlier one wrote.
 TEST_F(scheduler_gpu, a_burst_of_completions_on_one_stream_resumes_in_order_after_its_work) {
     constexpr int n = 2000;
     for (const poll_policy policy : {poll_policy::spinning(), poll_policy::balanced()}) {
@@ -779,7 +780,8 @@ TEST_F(scheduler_gpu, a_burst_of_completions_on_one_stream_resumes_in_order_afte
         std::vector<int> order;
         long unwritten = 0;
         auto waiter = [&](int i) -> task<> {
-            check(cudawait::testing::launch_spin(0, out.device + i, expected[i], st.get()),
+            const std::uint64_t ns = i % 97 == 0 ? 2'000'000u : 0u;
+            check(cudawait::testing::launch_spin(ns, out.device + i, expected[i], st.get()),
                   "launch");
             co_await st;
             for (int j = 0; j <= i; ++j) {
