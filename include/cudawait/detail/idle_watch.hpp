@@ -28,7 +28,7 @@
 // armed and the destructor makes no CUDA call. A host function that never runs (its context
 // died) leaks one small token; the owner polls on a long period anyway (poll_policy).
 
-#include <cudawait/device.hpp>
+#include <cudawait/error.hpp>
 
 #include <cudawait/detail/fork_guard.hpp>
 
@@ -56,16 +56,15 @@ public:
     idle_watch(const idle_watch&) = delete;
     idle_watch& operator=(const idle_watch&) = delete;
     ~idle_watch() {
-        if (!m_target) {
+        // In a forked child the streams are the parent's, no host function will run, and the
+        // target's mutex may have been held by the parent's CUDA thread at the fork: touch none.
+        if (!m_target || m_stamp.inherited()) {
             return;
         }
         {
             std::lock_guard lock(m_target->mutex);
             m_target->wake = nullptr;
             m_target->free.clear();
-        }
-        if (m_stamp.inherited()) {
-            return; // the parent's streams: not to be touched in a forked child
         }
         for (const sentinel_stream& s : m_streams) {
             report(cudaStreamDestroy(s.stream), "cudaStreamDestroy");
