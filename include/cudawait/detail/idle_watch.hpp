@@ -6,8 +6,9 @@
 // then sleeps long, instead of waking every few hundred microseconds to poll. A sentinel is a
 // private, non-blocking stream that waits for the awaited event (cudaStreamWaitEvent) and then
 // runs a host function, which wakes the scheduler. So the wake-up latency is that of a CUDA host
-// function (18-51 us on an H200, DESIGN.md) rather than the sleep back-off's (up to sleep_max),
-// and a blocking-sync event's cudaEventSynchronize (0.23 ms) is beaten too.
+// function (18-51 us on an H200, DESIGN.md) plus a thread wake-up, rather than the sleep
+// back-off's (up to sleep_max); a blocking-sync cudaEventSynchronize woke 0.23 ms late there
+// (await_bench's idle section compares the two).
 //
 // Why a host function on a private stream, and not a thread blocked in cudaEventSynchronize:
 // - cudaStreamWaitEvent captures the event's last record when it is called, so the scheduler may
