@@ -16,8 +16,14 @@
 //        BM_completions_co_await_spin / _balanced   cudawait tasks started with when_all
 //        BM_completions_co_await_spin_watchdog      _spin with a watchdog (heartbeat on) attached
 //        BM_completions_raw                         hand-written event record/query loop
-//   3. CPU used by the driving thread while one ~200 ms GPU wait is pending:
-//        BM_idle_cpu_spinning / _yielding / _sleeping / _balanced
+//   3. CPU used by the driving thread (and by the whole process) while one ~200 ms GPU wait is
+//      pending, and how late the waiter runs again:
+//        BM_idle_cpu_spinning / _yielding / _sleeping / _balanced   cudawait, each poll_policy
+//                                     (balanced: its sentinels wake the sleep phase)
+//        BM_idle_cpu_blocking_sync    the reference: cudaEventSynchronize on a
+//                                     cudaEventBlockingSync | cudaEventDisableTiming event
+//      The summary quotes balanced's overshoot against blocking_sync's and balanced's process CPU
+//      fraction (which counts the CUDA thread that runs the sentinels' host functions).
 //
 // All comparisons run in one process, on the same device, the same stream type (cudawait::stream,
 // non-blocking) and the same kernels. After the benchmarks main() prints a summary table with
@@ -75,6 +81,7 @@ std::map<std::string, double> g_p50_us;       ///< latency variant -> p50 in mic
 std::map<std::string, double> g_rate;         ///< throughput variant -> completions per second
 std::map<std::string, double> g_cpu_fraction; ///< idle policy -> CPU seconds / wall seconds
 std::map<std::string, double> g_overshoot_us; ///< idle policy -> median wall time - 200 ms
+std::map<std::string, double> g_process_cpu;  ///< idle policy -> process CPU seconds / wall
 
 // ---- kernels -----------------------------------------------------------------------------------
 
@@ -107,13 +114,16 @@ void launch_spin(cudaStream_t s, unsigned long long ns) {
 
 // ---- helpers -----------------------------------------------------------------------------------
 
-double thread_cpu_seconds() {
+double cpu_seconds(clockid_t clock) {
     timespec ts{};
-    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) {
+    if (clock_gettime(clock, &ts) != 0) {
         throw std::system_error(errno, std::generic_category(), "clock_gettime");
     }
     return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
+double thread_cpu_seconds() { return cpu_seconds(CLOCK_THREAD_CPUTIME_ID); }
+/// Every thread of the process: the CUDA threads that run host functions included.
+double process_cpu_seconds() { return cpu_seconds(CLOCK_PROCESS_CPUTIME_ID); }
 
 /// Nearest-rank percentile (`p` in [0, 1]) of `sorted`, which must be sorted and non-empty.
 double percentile(const std::vector<double>& sorted, double p) {
@@ -594,36 +604,66 @@ cudawait::task<void> idle_wait(cudawait::stream_ref s, unsigned long long ns) {
     co_await s;
 }
 
-void idle_cpu(benchmark::State& state, const cudawait::poll_policy& policy, const char* key) {
-    cudawait::stream stream;
-    cudawait::scheduler sched(policy);
+/// Times `wait_once(ns)` (one wait for an `ns` GPU kernel, driven on this thread) once per
+/// iteration and publishes its CPU fractions and median overshoot under `key`.
+template <class Wait>
+void measure_idle(benchmark::State& state, const char* key, Wait&& wait_once) {
     const auto ns = static_cast<unsigned long long>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(kIdleWait).count());
-    // Warm-up: the kernel's first launch, the scheduler's first event and FIFO.
-    cudawait::sync_wait(sched, idle_wait(stream, 0));
-
     double cpu_total = 0.0;
+    double process_total = 0.0;
     double wall_total = 0.0;
     std::vector<double> overshoots_us;
     for (auto _ : state) {
-        // sync_wait drives the loop on this thread, so this thread's CPU time is the loop's.
+        // The wait is driven on this thread, so this thread's CPU time is the loop's.
+        const double p0 = process_cpu_seconds();
         const double c0 = thread_cpu_seconds();
         const auto t0 = steady::now();
-        cudawait::sync_wait(sched, idle_wait(stream, ns));
+        wait_once(ns);
         const auto t1 = steady::now();
         const double c1 = thread_cpu_seconds();
+        const double p1 = process_cpu_seconds();
         const double wall = seconds(t1 - t0);
         state.SetIterationTime(wall);
         cpu_total += c1 - c0;
+        process_total += p1 - p0;
         wall_total += wall;
         overshoots_us.push_back((wall - seconds(kIdleWait)) * 1e6);
     }
     const double fraction = cpu_total / wall_total;
     const double overshoot = median(overshoots_us);
     state.counters["cpu_fraction"] = fraction;
+    state.counters["process_cpu_fraction"] = process_total / wall_total;
     state.counters["overshoot_us"] = overshoot;
     g_cpu_fraction[key] = fraction;
+    g_process_cpu[key] = process_total / wall_total;
     g_overshoot_us[key] = overshoot;
+}
+
+void idle_cpu(benchmark::State& state, const cudawait::poll_policy& policy, const char* key) {
+    cudawait::stream stream;
+    cudawait::scheduler sched(policy);
+    // Warm-up: the kernel's first launch, the scheduler's first event and FIFO; for balanced
+    // also a wait long enough to arm a sentinel, so its private stream exists before timing.
+    cudawait::sync_wait(sched, idle_wait(stream, 0));
+    cudawait::sync_wait(sched, idle_wait(stream, 20'000'000));
+    measure_idle(state, key,
+                 [&](unsigned long long ns) { cudawait::sync_wait(sched, idle_wait(stream, ns)); });
+}
+
+/// The driver's own blocking wait, which a long idle wait is measured against.
+void idle_blocking_sync(benchmark::State& state) {
+    cudawait::stream stream;
+    cudawait::event done(cudawait::current_device(),
+                         cudaEventBlockingSync | cudaEventDisableTiming);
+    auto wait_once = [&](unsigned long long ns) {
+        launch_spin(stream.get(), ns);
+        check(cudaEventRecord(done.get(), stream.get()), "cudaEventRecord");
+        check(cudaEventSynchronize(done.get()), "cudaEventSynchronize");
+    };
+    wait_once(0); // warm-up
+    wait_once(20'000'000);
+    measure_idle(state, "blocking_sync", wait_once);
 }
 
 void BM_idle_cpu_spinning(benchmark::State& state) {
@@ -637,6 +677,9 @@ void BM_idle_cpu_sleeping(benchmark::State& state) {
 }
 void BM_idle_cpu_balanced(benchmark::State& state) {
     guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::balanced(), "balanced"); });
+}
+void BM_idle_cpu_blocking_sync(benchmark::State& state) {
+    guarded(state, [&] { idle_blocking_sync(state); });
 }
 
 // ---- setup and summary --------------------------------------------------------------------------
@@ -685,7 +728,8 @@ void register_benchmarks() {
     for (auto [name, fn] : {std::pair{"BM_idle_cpu_spinning", &BM_idle_cpu_spinning},
                             std::pair{"BM_idle_cpu_yielding", &BM_idle_cpu_yielding},
                             std::pair{"BM_idle_cpu_sleeping", &BM_idle_cpu_sleeping},
-                            std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced}}) {
+                            std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced},
+                            std::pair{"BM_idle_cpu_blocking_sync", &BM_idle_cpu_blocking_sync}}) {
         RegisterBenchmark(name, fn)->UseManualTime()->Iterations(kIdleRuns)->Unit(
             benchmark::kMillisecond);
     }
@@ -762,6 +806,8 @@ void print_summary() {
                     ratio(g_rate, "co_await_balanced", "raw").c_str());
         std::printf("  co_await_spin_watchdog / co_await_spin %s   (target >= 0.98)\n",
                     ratio(g_rate, "co_await_spin_watchdog", "co_await_spin").c_str());
+        std::printf("  completions: co_await_spin / raw: %s (target >= 1.0)\n",
+                    ratio(g_rate, "co_await_spin", "raw").c_str());
     }
     if (!g_cpu_fraction.empty()) {
         // The spinning policy's overshoot is the floor (launch, kernel start, any difference in
@@ -772,7 +818,7 @@ void print_summary() {
                     static_cast<long long>(kIdleWait.count()),
                     static_cast<long long>(kIdleWait.count()));
         const auto floor = g_overshoot_us.find("spinning");
-        for (const char* k : {"spinning", "yielding", "sleeping", "balanced"}) {
+        for (const char* k : {"spinning", "yielding", "sleeping", "balanced", "blocking_sync"}) {
             if (auto it = g_cpu_fraction.find(k); it != g_cpu_fraction.end()) {
                 const double overshoot = g_overshoot_us[k];
                 std::printf("  %-20s cpu_fraction %6.3f   overshoot %9.1f us", k, it->second,
@@ -780,8 +826,15 @@ void print_summary() {
                 if (floor != g_overshoot_us.end()) {
                     std::printf("   (%+.1f us vs spinning)", overshoot - floor->second);
                 }
-                std::printf("\n");
+                std::printf("   process_cpu %6.3f\n", g_process_cpu[k]);
             }
+        }
+        std::printf("  idle wake-up: balanced overshoot / blocking-sync overshoot: %s (target <= "
+                    "1.0)\n",
+                    ratio(g_overshoot_us, "balanced", "blocking_sync").c_str());
+        if (auto it = g_process_cpu.find("balanced"); it != g_process_cpu.end()) {
+            // The whole process: the sentinels' host functions run on a CUDA thread.
+            std::printf("  idle CPU balanced: %.4f (target <= 0.01)\n", it->second);
         }
     }
     std::fflush(stdout);

@@ -575,4 +575,234 @@ TEST_F(scheduler_gpu, sleeping_policy_still_resumes) {
     EXPECT_LT(cpu, wall / 2) << "a sleeping scheduler should not hold the core";
 }
 
+// ---- sentinels and burst completions ---------------------------------------------------------
+
+TEST(scheduler, only_the_balanced_policy_arms_sentinels) {
+    static_assert(poll_policy::balanced().sentinel && poll_policy{}.sentinel);
+    static_assert(poll_policy::balanced().sentinel_poll > poll_policy::balanced().sleep_max);
+    static_assert(!poll_policy::spinning().sentinel && !poll_policy::yielding().sentinel &&
+                  !poll_policy::sleeping().sentinel);
+    scheduler s;
+    EXPECT_EQ(cudawait::detail::scheduler_access::sentinel_streams(s), 0u);
+}
+
+/// Sentinels on, and every other way out of the sleep phase 30 s away: a long wait that resumes
+/// well within that was woken by its sentinel.
+poll_policy sentinel_only() {
+    poll_policy p = poll_policy::balanced();
+    p.sleep_min = 30s;
+    p.sleep_max = 30s;
+    p.sentinel_poll = 30s;
+    return p;
+}
+
+constexpr auto kSentinelSlack = 5s; // far above a host function's latency, far below 30 s
+
+TEST_F(scheduler_gpu, a_long_stream_wait_is_woken_by_its_sentinel_on_the_loop_thread) {
+    scheduler s(sentinel_only());
+    stream st;
+    mapped_words out(1);
+    std::thread::id resumed_on;
+    auto body = [&]() -> task<std::uint32_t> {
+        check(cudawait::testing::launch_spin(100'000'000, out.device, 0x5E471u, st.get()),
+              "launch");
+        co_await st;
+        resumed_on = std::this_thread::get_id();
+        co_return out.read(0);
+    };
+    const auto c0 = thread_cpu_time();
+    const auto t0 = clock_type::now();
+    EXPECT_EQ(sync_wait(s, body()), 0x5E471u);
+    const auto wall = clock_type::now() - t0;
+    const auto cpu = thread_cpu_time() - c0;
+    EXPECT_EQ(resumed_on, std::this_thread::get_id());
+    EXPECT_GE(wall, 100ms);
+    EXPECT_LT(wall, 100ms + kSentinelSlack) << "not woken by the sentinel";
+    EXPECT_LT(cpu, wall / 4) << "the sleep phase should not hold the core";
+    EXPECT_GE(cudawait::detail::scheduler_access::sentinel_streams(s), 1u);
+    EXPECT_EQ(s.pending().stream_waits, 0u);
+}
+
+TEST_F(scheduler_gpu, a_long_user_event_wait_is_woken_by_its_sentinel) {
+    scheduler s(sentinel_only());
+    stream st;
+    mapped_words out(1);
+    // A blocking-sync event and a plain one: a sentinel works whatever the user's flags.
+    for (unsigned flags : {cudawait::event::default_flags,
+                           unsigned{cudaEventBlockingSync | cudaEventDisableTiming}}) {
+        cudawait::event ev(cudawait::device_ref(0), flags);
+        out.write(0, mapped_words::poison);
+        const std::uint32_t value = 0xE0E0u + flags;
+        auto body = [&]() -> task<std::uint32_t> {
+            check(cudawait::testing::launch_spin(60'000'000, out.device, value, st.get()),
+                  "launch");
+            ev.record(st);
+            co_await ev;
+            co_return out.read(0);
+        };
+        const auto t0 = clock_type::now();
+        EXPECT_EQ(sync_wait(s, body()), value);
+        EXPECT_LT(clock_type::now() - t0, 60ms + kSentinelSlack) << "flags " << flags;
+    }
+    EXPECT_GE(cudawait::detail::scheduler_access::sentinel_streams(s), 1u);
+    EXPECT_EQ(s.pending().event_waits, 0u);
+}
+
+// Sixteen streams with kernels of 20, 40, ..., 320 ms, assigned in a random order: each await
+// has its own sentinel, so each resumes as its own kernel finishes (in the order of the
+// durations), not when the one sentinel-watched wait or the longest one does.
+TEST_F(scheduler_gpu, sentinels_watch_many_streams_at_once) {
+    constexpr int n = 16;
+    scheduler s(sentinel_only());
+    std::vector<stream> streams(n);
+    mapped_words out(n);
+    std::vector<int> rank(n);
+    for (int i = 0; i < n; ++i) {
+        rank[i] = i;
+    }
+    std::shuffle(rank.begin(), rank.end(), std::mt19937(20261214));
+    std::vector<int> order;
+    auto waiter = [&](int i) -> task<> {
+        const auto ns = static_cast<std::uint64_t>(rank[i] + 1) * 20'000'000u;
+        check(cudawait::testing::launch_spin(ns, out.device + i, 0x1000u + i, streams[i].get()),
+              "launch");
+        co_await streams[i];
+        EXPECT_EQ(out.read(i), 0x1000u + i) << "waiter " << i;
+        order.push_back(rank[i]);
+    };
+    std::vector<task<>> all;
+    for (int i = 0; i < n; ++i) {
+        all.push_back(waiter(i));
+    }
+    const auto t0 = clock_type::now();
+    sync_wait(s, cudawait::when_all(std::move(all)));
+    EXPECT_LT(clock_type::now() - t0, 320ms + kSentinelSlack);
+    std::vector<int> expected(n);
+    for (int i = 0; i < n; ++i) {
+        expected[i] = i;
+    }
+    EXPECT_EQ(order, expected) << "each await resumes when its own kernel finishes";
+    EXPECT_GE(cudawait::detail::scheduler_access::sentinel_streams(s), static_cast<std::size_t>(n));
+    const auto p = s.pending();
+    EXPECT_EQ(p.stream_waits + p.streams, 0u);
+}
+
+task<> long_wait(stream& st, mapped_words& out) {
+    check(cudawait::testing::launch_spin(300'000'000, out.device, 0xD0DEu, st.get()), "launch");
+    co_await st;
+}
+
+// The loop stops while a sentinel watches a pending wait; the scheduler is destroyed then. Its
+// destructor drains the wait (woken by the sentinel, not by a 30 s poll), and the sentinel's
+// host function, whenever it runs, finds the scheduler gone and does nothing.
+TEST_F(scheduler_gpu, a_scheduler_destroyed_while_its_sentinel_waits_drains_and_goes) {
+    stream st;
+    mapped_words out(1);
+    auto s = std::make_unique<scheduler>(sentinel_only());
+    s->spawn(long_wait(st, out));
+    std::stop_source stop;
+    std::jthread driver([&] { s->run(stop.get_token()); });
+    std::this_thread::sleep_for(50ms); // well past spin + yield: the sentinel is armed
+    stop.request_stop();
+    driver.join();
+    EXPECT_EQ(s->pending().stream_waits, 1u);
+    EXPECT_GE(cudawait::detail::scheduler_access::sentinel_streams(*s), 1u);
+    const auto t0 = clock_type::now();
+    s.reset();
+    EXPECT_LT(clock_type::now() - t0, 300ms + kSentinelSlack);
+    EXPECT_EQ(out.read(0), 0xD0DEu);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); // every host function ran
+}
+
+void count_wake(void* counter) noexcept { static_cast<std::atomic<int>*>(counter)->fetch_add(1); }
+
+// The sentinel machinery on its own: a watch destroyed while its sentinel waits is never called
+// back; another watch of the same event is, once, after the record it saw (a later re-record of
+// the event does not delay it); each sentinel's stream is reused once its host function ran.
+TEST_F(scheduler_gpu, a_sentinel_of_a_destroyed_watch_does_nothing) {
+    using cudawait::detail::idle_watch;
+    std::atomic<int> kept_wakes{0};
+    std::atomic<int> gone_wakes{0};
+    stream st;
+    cudawait::event ev;
+    mapped_words out(2);
+    const auto t0 = clock_type::now();
+    check(cudawait::testing::launch_spin(100'000'000, out.device, 1u, st.get()), "launch");
+    ev.record(st);
+    idle_watch kept(&count_wake, &kept_wakes);
+    {
+        idle_watch gone(&count_wake, &gone_wakes);
+        ASSERT_EQ(gone.arm(ev.get(), 0), cudaSuccess);
+        EXPECT_EQ(gone.armed_count(), 1u);
+        ASSERT_EQ(kept.arm(ev.get(), -1), cudaSuccess);
+    } // destroyed while its sentinel waits for the kernel
+    check(cudawait::testing::launch_spin(400'000'000, out.device + 1, 2u, st.get()), "launch");
+    ev.record(st); // seen by no sentinel
+    while (kept_wakes.load() == 0 && clock_type::now() - t0 < 10s) {
+        std::this_thread::sleep_for(1ms);
+    }
+    const auto woke_after = clock_type::now() - t0;
+    EXPECT_EQ(kept_wakes.load(), 1);
+    EXPECT_EQ(out.read(0), 1u);
+    EXPECT_LT(woke_after, 400ms) << "the sentinel waited for the re-record";
+    EXPECT_EQ(kept.armed_count(), 0u);
+    // Its stream is free again: the next sentinel reuses it.
+    ASSERT_EQ(kept.arm(ev.get(), 0), cudaSuccess);
+    EXPECT_EQ(kept.stream_count(), 1u);
+    st.sync();
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    const auto t1 = clock_type::now();
+    while (kept_wakes.load() < 2 && clock_type::now() - t1 < 10s) {
+        std::this_thread::sleep_for(1ms);
+    }
+    EXPECT_EQ(kept_wakes.load(), 2);
+    EXPECT_EQ(out.read(1), 2u);
+    EXPECT_EQ(gone_wakes.load(), 0);
+}
+
+// A burst: 2,000 awaits queue on one stream behind a 50 ms kernel, each behind its own small
+// kernel that writes a random word; most complete within microseconds, so the loop finds long
+// done prefixes and completes them without querying each event, while every 97th kernel spins
+// for 2 ms first, so that prefixes also end part-way (the bisection). Every coroutine must
+// resume in enqueue order, after its own kernel and every earlier one wrote.
+TEST_F(scheduler_gpu, a_burst_of_completions_on_one_stream_resumes_in_order_after_its_work) {
+    constexpr int n = 2000;
+    for (const poll_policy policy : {poll_policy::spinning(), poll_policy::balanced()}) {
+        scheduler s(policy);
+        stream st;
+        mapped_words out(n);
+        std::vector<std::uint32_t> expected(n);
+        std::mt19937 rng(20261215);
+        for (auto& v : expected) {
+            v = rng() | 1u; // never the poison, which is even
+        }
+        check(cudawait::testing::launch_spin(50'000'000, nullptr, 0, st.get()), "launch");
+        std::vector<int> order;
+        long unwritten = 0;
+        auto waiter = [&](int i) -> task<> {
+            const std::uint64_t ns = i % 97 == 0 ? 2'000'000u : 0u;
+            check(cudawait::testing::launch_spin(ns, out.device + i, expected[i], st.get()),
+                  "launch");
+            co_await st;
+            for (int j = 0; j <= i; ++j) {
+                unwritten += out.read(j) != expected[j] ? 1 : 0;
+            }
+            order.push_back(i);
+        };
+        std::vector<task<>> all;
+        all.reserve(n);
+        for (int i = 0; i < n; ++i) {
+            all.push_back(waiter(i));
+        }
+        sync_wait(s, cudawait::when_all(std::move(all)));
+        EXPECT_EQ(unwritten, 0);
+        ASSERT_EQ(order.size(), static_cast<std::size_t>(n));
+        for (int i = 0; i < n; ++i) {
+            ASSERT_EQ(order[i], i);
+        }
+        const auto p = s.pending();
+        EXPECT_EQ(p.stream_waits + p.streams, 0u);
+    }
+}
+
 } // namespace

@@ -2,7 +2,8 @@
 #pragma once
 
 // Synopsis
-//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep with back-off
+//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep (woken by
+//                         sentinels when the GPU work completes, or with back-off)
 //   class scheduler;      the event loop that resumes coroutines when their GPU work finished
 //   sleep_for(d)          inside a task: `co_await sleep_for(5ms);`
 //   (with_timeout is in timeout.hpp)
@@ -16,7 +17,14 @@
 // coroutine) to that stream's FIFO. Events recorded on one stream complete in order, so each
 // sweep queries only the head of every FIFO with pending work: O(streams), not O(awaits).
 // Awaited user events are kept in a separate list and each is queried per sweep. No CUDA host
-// callbacks are used: they cost ~5x the latency of polling and may not call CUDA themselves.
+// callbacks are used on this path: they cost ~5x the latency of polling and may not call CUDA.
+//
+// Sentinels. Once nothing has been ready for the policy's spin and yield phases, the scheduler
+// arms a sentinel per pending wait (the head of each stream's FIFO and each user event): a
+// private stream waits for the event and then runs a CUDA host function that wakes the loop
+// (detail/idle_watch.hpp). The loop then sleeps until a sentinel, a post or a timer wakes it,
+// polling only every `sentinel_poll`: few wake-ups, and it resumes within a host function's
+// latency of the GPU finishing, where the sleep back-off alone would take up to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -32,6 +40,7 @@
 #include <cudawait/task.hpp>
 
 #include <cudawait/detail/detached.hpp>
+#include <cudawait/detail/idle_watch.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -63,30 +72,45 @@ namespace cudawait {
 /// until `spin + yield` has passed, then sleeps between polls, starting at `sleep_min` and
 /// doubling up to `sleep_max`. A post from another thread ends a sleep at once. With no GPU work
 /// pending the scheduler blocks until a post or its next timer, whatever the policy.
+///
+/// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
+/// stream that waits for the awaited event and then runs a CUDA host function that wakes the
+/// loop. While every pending wait has one, the loop sleeps until a sentinel, a post or a timer
+/// wakes it, and polls only every `sentinel_poll`: that bounds the latency where a sentinel
+/// cannot fire (a context a fault killed) or fires late (CUDA may run the host functions of
+/// independent streams one at a time, so a user's long host function can hold one up). Where a
+/// sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA error) the
+/// loop sleeps with the back-off as before.
 struct poll_policy {
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
     std::chrono::nanoseconds sleep_min = std::chrono::microseconds(20);
     std::chrono::nanoseconds sleep_max = std::chrono::microseconds(1000);
+    /// Sentinels wake the sleep phase when the GPU work completes (see above).
+    bool sentinel = true;
+    /// While sentinels watch every pending wait, the loop still polls this often.
+    std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(10);
 
     /// Lowest latency, one core busy while anything is pending.
     [[nodiscard]] static constexpr poll_policy spinning() noexcept {
         return {std::chrono::nanoseconds::max() / 4, std::chrono::nanoseconds(0),
-                std::chrono::microseconds(20), std::chrono::microseconds(1000)};
+                std::chrono::microseconds(20), std::chrono::microseconds(1000), false};
     }
     /// Polls between `std::this_thread::yield()` calls; gives the core away to other threads.
     [[nodiscard]] static constexpr poll_policy yielding() noexcept {
         return {std::chrono::nanoseconds(0), std::chrono::nanoseconds::max() / 4,
-                std::chrono::microseconds(20), std::chrono::microseconds(1000)};
+                std::chrono::microseconds(20), std::chrono::microseconds(1000), false};
     }
     /// Sleeps between polls from the start, backing off from `min` to `max`: little CPU, a
-    /// resume latency of up to `max`.
+    /// resume latency of up to `max`. No sentinels: arming them would cost a few driver calls
+    /// per wait, short ones included (set `sentinel` to have them).
     [[nodiscard]] static constexpr poll_policy
     sleeping(std::chrono::nanoseconds min = std::chrono::microseconds(50),
              std::chrono::nanoseconds max = std::chrono::microseconds(2000)) noexcept {
-        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max};
+        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max, false};
     }
-    /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
+    /// The default: spin 200 us, yield until 1 ms, then sleep, woken by sentinels (polling
+    /// every 10 ms; 20 us .. 1 ms back-off where no sentinel could be armed).
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
 };
 
@@ -99,6 +123,7 @@ struct wait_node {
     int device = -1; ///< >= 0: a recycled event of that device; -1: the user's event
     std::coroutine_handle<> waiter;
     cudaError_t* status = nullptr;
+    bool watched = false; ///< a sentinel was armed on `event` (idle_watch)
 };
 
 struct stream_fifo {
@@ -621,25 +646,7 @@ private:
         bool progress = false;
         for (std::size_t i = 0; i < m_active.size();) {
             detail::stream_fifo* f = m_active[i];
-            while (detail::wait_node* n = f->head) {
-                cudaError_t st = cudaEventQuery(n->event);
-                if (st == cudaErrorNotReady) {
-                    break;
-                }
-                f->head = n->next;
-                if (f->head == nullptr) {
-                    f->tail = nullptr;
-                }
-                --m_stream_waits;
-                ++m_completed[static_cast<std::size_t>(f->device)];
-                f->spare.push_back(n->event);
-                complete(n, st);
-                // Resume right away: the resumed coroutine usually enqueues its next work on
-                // this stream, and the GPU gets it before the next query rather than a sweep
-                // later.
-                progress = true;
-                run_ready();
-            }
+            progress |= poll_fifo(f);
             if (i < m_active.size() && m_active[i] == f) {
                 if (f->head == nullptr) {
                     release_fifo(f);
@@ -651,6 +658,102 @@ private:
             }
         }
         return progress;
+    }
+
+    /// Completes the done prefix of `f`'s FIFO, resuming each waiter right away: the resumed
+    /// coroutine usually enqueues its next work on this stream, and the GPU gets it before the
+    /// next query rather than a sweep later.
+    ///
+    /// Events of one stream complete in order, so a node found done proves every node before it
+    /// done. Once the head is done, the nodes 1, 2, 4, 8, ... places further on are probed, the
+    /// end of the done prefix is bisected between the last done probe and the first not-ready
+    /// one, and the whole prefix completes without a query per node: k done nodes cost about
+    /// 2 log2(k) + 2 queries instead of the k + 1 of querying head after head (at most one more
+    /// for a few k below 6, far fewer above). A success proves the earlier events succeeded too:
+    /// event queries fail only for a context-wide (sticky) error, which a later event of the
+    /// context would report as well.
+    bool poll_fifo(detail::stream_fifo* f) {
+        bool progress = false;
+        while (detail::wait_node* head = f->head) {
+            const cudaError_t st = cudaEventQuery(head->event);
+            if (st == cudaErrorNotReady) {
+                break;
+            }
+            progress = true;
+            if (st != cudaSuccess) {
+                finish_head(f, st);
+                continue;
+            }
+            // Gallop: probe the nodes 1, 2, 4, ... places after the head until one is not done.
+            std::size_t lo = 0; // the last place known done
+            const detail::wait_node* lo_node = head;
+            std::size_t hi = 0; // the first place known not ready; 0: none found
+            const detail::wait_node* probe = head;
+            std::size_t at = 0; // probe's place
+            for (std::size_t target = 1; probe->next != nullptr; target *= 2) {
+                while (at < target && probe->next != nullptr) {
+                    probe = probe->next;
+                    ++at;
+                }
+                const cudaError_t pst = cudaEventQuery(probe->event);
+                if (pst == cudaSuccess) {
+                    lo = at;
+                    lo_node = probe;
+                    continue;
+                }
+                // An error stops the search at `lo`; the new head's own query reports it.
+                hi = pst == cudaErrorNotReady ? at : 0;
+                break;
+            }
+            // Bisect between the last done place and the first not-ready one: the prefix ends
+            // exactly where the first not-ready node starts.
+            while (hi != 0 && hi - lo > 1) {
+                const std::size_t mid = lo + (hi - lo) / 2;
+                const detail::wait_node* m = lo_node;
+                for (std::size_t place = lo; place < mid; ++place) {
+                    m = m->next;
+                }
+                const cudaError_t mst = cudaEventQuery(m->event);
+                if (mst == cudaSuccess) {
+                    lo = mid;
+                    lo_node = m;
+                } else {
+                    hi = mst == cudaErrorNotReady ? mid : 0;
+                }
+            }
+            const std::size_t proven = lo + 1; // the nodes from the head on known to be done
+            // A not-ready node right after the prefix ends this sweep of the FIFO, as a not-ready
+            // head would.
+            const bool next_not_ready = hi == proven;
+            // Resuming appends new nodes behind the prefix, never inside it, so the prefix is
+            // always the first `proven` nodes of the FIFO.
+            for (std::size_t k = 0; k < proven; ++k) {
+                finish_head(f, cudaSuccess);
+            }
+            if (next_not_ready) {
+                break;
+            }
+        }
+        return progress;
+    }
+
+    /// Takes the head node off `f`, recycles its event on the stream and resumes its waiter.
+    void finish_head(detail::stream_fifo* f, cudaError_t st) {
+        detail::wait_node* n = f->head;
+        f->head = n->next;
+        if (f->head == nullptr) {
+            f->tail = nullptr;
+        }
+        --m_stream_waits;
+        ++m_completed[static_cast<std::size_t>(f->device)];
+        f->spare.push_back(n->event);
+        std::coroutine_handle<> h = release_node(n, st);
+        if (m_ready.empty()) {
+            h.resume(); // what run_ready would do, without the trip through m_ready
+        } else {
+            m_ready.push_back(h);
+            run_ready();
+        }
     }
 
     bool poll_events() {
@@ -670,14 +773,18 @@ private:
         return progress;
     }
 
-    void complete(detail::wait_node* n, cudaError_t st) {
+    void complete(detail::wait_node* n, cudaError_t st) { m_ready.push_back(release_node(n, st)); }
+
+    /// Stores the wait's outcome, recycles its node and returns the coroutine to resume.
+    std::coroutine_handle<> release_node(detail::wait_node* n, cudaError_t st) {
         if (st != cudaSuccess) {
             (void)cudaGetLastError();
         }
         *n->status = st;
-        m_ready.push_back(n->waiter);
+        std::coroutine_handle<> h = n->waiter;
         *n = detail::wait_node{};
         m_free_nodes.push_back(n);
+        return h;
     }
 
     bool fire_timers() {
@@ -709,6 +816,7 @@ private:
         const bool gpu = has_gpu_waits();
         const bool timers = !m_timers.empty();
         auto now = clock::now();
+        bool watched = false;
         if (gpu) {
             auto idle_for = now - last_progress;
             if (idle_for < m_policy.spin) {
@@ -719,23 +827,64 @@ private:
                 std::this_thread::yield();
                 return;
             }
+            if (m_policy.sentinel) {
+                watched = watch_pending();
+                now = clock::now();
+            }
         }
         std::unique_lock lock(m_remote_mutex);
         if (m_has_remote.load(std::memory_order_relaxed)) {
             return;
         }
         if (gpu) {
-            auto until = now + backoff;
+            auto until = now + (watched ? m_policy.sentinel_poll : backoff);
             if (timers) {
                 until = std::min(until, m_timers.front()->deadline);
             }
             m_remote_cv.wait_until(lock, until);
-            backoff = std::min(backoff * 2, m_policy.sleep_max);
+            if (!watched) {
+                backoff = std::min(backoff * 2, m_policy.sleep_max);
+            }
         } else if (timers) {
             m_remote_cv.wait_until(lock, m_timers.front()->deadline);
         } else {
             m_remote_cv.wait(lock);
         }
+    }
+
+    /// Arms a sentinel on every pending wait that has none. Returns whether every pending wait
+    /// is watched now (false: the loop must keep polling with its back-off).
+    bool watch_pending() noexcept {
+        bool all = true;
+        auto watch = [this, &all](detail::wait_node* n) noexcept {
+            if (!n->watched && all) {
+                if (m_idle_watch.arm(n->event, n->device) == cudaSuccess) {
+                    n->watched = true;
+                } else {
+                    all = false; // the rest keep polling; retried at the next sleep
+                }
+            }
+        };
+        for (detail::stream_fifo* f : m_active) {
+            if (f->head != nullptr) {
+                watch(f->head);
+            }
+        }
+        for (detail::wait_node* n : m_event_waits) {
+            watch(n);
+        }
+        return all;
+    }
+
+    /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
+    /// as a post does, without allocating.
+    static void sentinel_fired(void* self) noexcept {
+        auto* s = static_cast<scheduler*>(self);
+        {
+            std::lock_guard lock(s->m_remote_mutex);
+            s->m_has_remote.store(true, std::memory_order_release);
+        }
+        s->m_remote_cv.notify_one();
     }
 
     // ---- bookkeeping -----------------------------------------------------------------------
@@ -864,6 +1013,9 @@ private:
     std::atomic<std::size_t> m_detached{0};
     std::mutex m_error_mutex;
     std::exception_ptr m_detached_error;
+    /// Last: destroyed first, so a sentinel firing during the destructor still finds the
+    /// members above (it takes m_remote_mutex), and none fires once it is gone.
+    detail::idle_watch m_idle_watch{&scheduler::sentinel_fired, this};
 };
 
 namespace detail {
@@ -913,6 +1065,10 @@ struct scheduler_access {
     static void resume_soon(scheduler& s, std::coroutine_handle<> h) { s.resume_soon(h); }
     [[nodiscard]] static bool on_loop_thread(const scheduler& s) noexcept {
         return s.on_loop_thread();
+    }
+    /// Private streams the scheduler's sentinels made so far (0: none was ever armed).
+    [[nodiscard]] static std::size_t sentinel_streams(const scheduler& s) noexcept {
+        return s.m_idle_watch.stream_count();
     }
     template <class Pred>
     static void run_from(scheduler& s, std::coroutine_handle<> first, Pred&& done) {
