@@ -44,6 +44,16 @@
 //                                           best depth
 //      Summary table and target: at 1 MiB the better of plain and graph >= 0.85 x the 64 MiB
 //      throughput (both at the specified depths); the same with the best depths for information.
+//      Chunks of 1 MiB or less also run in chunk groups (pipeline_options::group_bytes =
+//      default_group_bytes, 4 MiB: 64, 16 and 4 chunks per group), at the specified depth, in
+//      their own interleaved rounds after the table's (one warm-up run each):
+//        BM_chunk/<size>/grouped            the light per-chunk stage, groups of chunks: one
+//                                           copy each way per group, a launch per chunk
+//        BM_chunk/<size>/grouped_graph      the same in graph mode: one graph (the group's
+//                                           copies and per-chunk launches) per group
+//        BM_chunk/<size>/group_stage        a group stage: one light launch over the group
+//      Summary: per size, the best of these three (named) / the 64 MiB figure (the better of
+//      plain and graph at the specified depth): 1 MiB >= 0.95, 256 KiB >= 0.85, 64 KiB >= 0.5.
 //   4. Host memory, light kernel, 64 MiB chunks, depth 3, 4 GiB (one pipeline, runs alternating):
 //        BM_host_memory/pinned              the pinned input and output of 1
 //        BM_host_memory/pageable            std::vector input and output, pre-touched
@@ -61,6 +71,13 @@
 //                                           (registered only where more than one is visible)
 //      Summary: multi_device0 / plain_device0 (>= 0.98: one shard costs nothing), "devices: N",
 //      and with N > 1 multi_all_devices / (N x plain_device0) (for information).
+//
+//   7. Streaming small items, light kernel, 64 KiB items over 512 MiB, pinned input and output
+//      (one warm-up run per variant, 5 interleaved rounds): a producer coroutine acquires a slot,
+//      copies its item in (host memcpy) and submits it; a consumer coroutine takes the results
+//      with next() and copies each out; both run on one scheduler (when_all).
+//        BM_stream_small/depth<d>           depth d (16 and 64), queue_capacity 2 x d
+//      Summary: the better depth / the 64 MiB batch figure of 3 (>= 0.35).
 //
 // GB/s means 10^9 input bytes per second of host wall time (steady_clock around the whole
 // batch, including its synchronisation); every figure in the summary is a median. All variants
@@ -90,6 +107,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -149,6 +167,20 @@ constexpr double kHeavyTarget = 0.95;  ///< max-stage bound time / library time,
 constexpr double kChunkTarget = 0.85;  ///< 1 MiB / 64 MiB throughput, at least
 constexpr double kTracedTarget = 0.98; ///< traced / untraced library throughput, at least
 
+/// 3, chunk groups: the best grouped variant / the 64 MiB figure, at least, per chunk size.
+struct group_target {
+    std::size_t bytes;
+    double target;
+};
+constexpr group_target kGroupTargets[] = {{64_KiB, 0.5}, {256_KiB, 0.85}, {1_MiB, 0.95}};
+constexpr const char* kGroupVariants[] = {"grouped", "grouped_graph", "group_stage"};
+
+/// 7. Streaming small items.
+constexpr std::size_t kStreamItemBytes = 64_KiB;
+constexpr std::size_t kStreamTotalBytes = 512_MiB;
+constexpr unsigned kStreamDepths[] = {16, 64};
+constexpr double kStreamTarget = 0.35; ///< streaming / the 64 MiB batch figure, at least
+
 /// multi_pipeline over {0} / pipeline on device 0, at least: one shard costs nothing.
 constexpr double kOneShardTarget = 0.98;
 
@@ -169,6 +201,8 @@ std::map<std::string, double> g_host_gbps;  ///< "pinned", "pageable" -> GB/s
 
 std::map<std::string, double> g_device_gbps; ///< section 6: devices variant -> GB/s
 int g_devices = 1;                           ///< visible devices, counted at registration
+
+std::map<std::string, double> g_stream_gbps; ///< section 7: "depth<d>" -> GB/s
 
 /// One run with options.timing = true.
 struct timed_stats {
@@ -227,6 +261,33 @@ std::unique_ptr<float_pipeline> make_pipeline(work w, unsigned depth, std::size_
         stages.emplace_back(light_stage{});
     } else {
         stages.emplace_back(heavy_stage{g_cal.k});
+    }
+    return std::make_unique<float_pipeline>(std::move(o), std::move(stages));
+}
+
+/// The light kernel as a group stage: one launch over the whole chunk group (the kernel is an
+/// element-wise map, so one launch over the group computes what one per chunk would).
+struct light_group_stage {
+    void operator()(std::span<float> in, std::span<float> out,
+                    const cudawait::group_context& g) const {
+        launch_light(in.data(), out.data(), in.size(), g.stream.get());
+    }
+};
+
+/// A light pipeline in chunk groups of default_group_bytes: variant 0 grouped (per-chunk
+/// stage), 1 grouped_graph, 2 group_stage.
+std::unique_ptr<float_pipeline> make_grouped_pipeline(std::size_t variant, unsigned depth,
+                                                      std::size_t chunk) {
+    cudawait::pipeline_options o;
+    o.depth = depth;
+    o.chunk_elements = chunk;
+    o.group_bytes = cudawait::pipeline_options::default_group_bytes;
+    o.graph = variant == 1;
+    std::vector<float_pipeline::stage> stages;
+    if (variant == 2) {
+        stages.emplace_back(light_group_stage{});
+    } else {
+        stages.emplace_back(light_stage{});
     }
     return std::make_unique<float_pipeline>(std::move(o), std::move(stages));
 }
@@ -386,7 +447,27 @@ runs_by_variant measure_chunk_case(chunk_case c) {
                                        "chunk/" + size_name(c.bytes) + "/" + keys[v]);
         }));
     }
+    if (c.bytes <= kTargetChunkBytes) {
+        // The grouped variants at the specified depth, side by side.
+        const std::unique_ptr<float_pipeline> grouped[] = {
+            make_grouped_pipeline(0, c.depth, chunk), make_grouped_pipeline(1, c.depth, chunk),
+            make_grouped_pipeline(2, c.depth, chunk)};
+        runs.merge(interleaved(kRounds, kGroupVariants, [&](std::size_t v) {
+            return checked_library_run(work::light, sched, *grouped[v], w.in.data(), w.out.data(),
+                                       n, "chunk/" + size_name(c.bytes) + "/" + kGroupVariants[v]);
+        }));
+    }
     return runs;
+}
+
+/// 3, a grouped variant: replays its samples (measured with the case's table).
+void BM_chunk_grouped(benchmark::State& state, chunk_case c, std::string variant) {
+    guarded(state, [&] {
+        const std::string key = "chunk/" + size_name(c.bytes);
+        const auto measure = [&] { return measure_chunk_case(c); };
+        const double secs = replay_variant(state, key, measure, variant, c.total);
+        g_chunk_gbps[size_name(c.bytes) + "/" + variant] = gbps(c.total, secs);
+    });
 }
 
 void BM_chunk(benchmark::State& state, chunk_case c, bool graph) {
@@ -528,6 +609,73 @@ void BM_devices(benchmark::State& state, std::string variant) {
     });
 }
 
+// ---- 7. streaming small items ------------------------------------------------------------------
+
+/// The producer: the first n elements of `in`, item by item into acquired slots, submitted in
+/// order; then close().
+cudawait::task<void> stream_produce(float_pipeline* pipe, const float* in, std::size_t n,
+                                    std::size_t item) {
+    for (std::size_t off = 0; off < n; off += item) {
+        auto slot = co_await pipe->acquire();
+        const std::size_t k = std::min(item, n - off);
+        std::memcpy(slot.data().data(), in + off, k * sizeof(float));
+        pipe->submit(std::move(slot), k);
+    }
+    pipe->close();
+}
+
+/// The consumer: each result, in submission order, copied to its place in `out`.
+cudawait::task<void> stream_consume(float_pipeline* pipe, float* out, std::size_t item) {
+    while (auto r = co_await pipe->next()) {
+        const std::span<const float> d = r->data();
+        std::memcpy(out + r->chunk() * item, d.data(), d.size_bytes());
+    }
+}
+
+/// One streamed run: producer and consumer on one scheduler.
+cudawait::task<void> stream_run(float_pipeline* pipe, const float* in, float* out, std::size_t n,
+                                std::size_t item) {
+    (void)co_await cudawait::when_all(stream_produce(pipe, in, n, item),
+                                      stream_consume(pipe, out, item));
+}
+
+runs_by_variant measure_stream_small() {
+    workload& w = work_data();
+    cudawait::scheduler sched;
+    const std::size_t item = kStreamItemBytes / sizeof(float);
+    const std::size_t n = kStreamTotalBytes / sizeof(float);
+    std::vector<std::unique_ptr<float_pipeline>> pipes;
+    std::vector<std::string> names;
+    for (unsigned d : kStreamDepths) {
+        cudawait::pipeline_options o;
+        o.depth = d;
+        o.chunk_elements = item;
+        o.queue_capacity = 2 * std::size_t{d};
+        std::vector<float_pipeline::stage> stages;
+        stages.emplace_back(light_stage{});
+        pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
+        names.push_back("depth" + std::to_string(d));
+    }
+    return interleaved(kRounds, names, [&](std::size_t v) {
+        poison(w, work::light, w.out.data(), n, item);
+        const double secs = time_host([&] {
+            cudawait::sync_wait(sched,
+                                stream_run(pipes[v].get(), w.in.data(), w.out.data(), n, item));
+        });
+        check_output(w, work::light, w.out.data(), n, item, "stream_small/" + names[v]);
+        return secs;
+    });
+}
+
+void BM_stream_small(benchmark::State& state, unsigned depth) {
+    guarded(state, [&] {
+        const std::string v = "depth" + std::to_string(depth);
+        const double secs =
+            replay_variant(state, "stream_small", measure_stream_small, v, kStreamTotalBytes);
+        g_stream_gbps[v] = gbps(kStreamTotalBytes, secs);
+    });
+}
+
 // ---- setup and summary --------------------------------------------------------------------------
 
 /// Creates the context and the stream-ordered memory pool, so no benchmark pays for them.
@@ -561,6 +709,12 @@ void register_benchmarks() {
             register_manual("BM_chunk/" + size_name(c.bytes) + (graph ? "/graph" : "/plain"),
                             kRounds, &BM_chunk, c, graph);
         }
+        if (c.bytes <= kTargetChunkBytes) {
+            for (const char* v : kGroupVariants) {
+                register_manual("BM_chunk/" + size_name(c.bytes) + "/" + v, kRounds,
+                                &BM_chunk_grouped, c, std::string(v));
+            }
+        }
     }
     // 4. Each iteration is one 4 GiB run.
     for (const char* v : kHostVariants) {
@@ -576,6 +730,10 @@ void register_benchmarks() {
         if (g_devices > 1 || std::string(v) != "multi_all_devices") {
             register_manual(std::string("BM_devices/") + v, kRounds, &BM_devices, std::string(v));
         }
+    }
+    // 7. Each iteration is one 512 MiB streamed run.
+    for (unsigned d : kStreamDepths) {
+        register_manual("BM_stream_small/depth" + std::to_string(d), kRounds, &BM_stream_small, d);
     }
 }
 
@@ -759,6 +917,30 @@ void print_chunk_summary() {
                 ref_specified, kChunkTarget);
     print_ratio("1 MiB / 64 MiB, better of plain and graph, best depths", target_best, ref_best,
                 kChunkTarget);
+    // Chunk groups: the best grouped variant of each size against the 64 MiB figure.
+    for (const group_target& t : kGroupTargets) {
+        std::optional<double> best;
+        std::string name = "grouped";
+        for (const char* v : kGroupVariants) {
+            const auto r = find(g_chunk_gbps, size_name(t.bytes) + "/" + v);
+            if (r && (!best || *r > *best)) {
+                best = r;
+                name = v;
+            }
+        }
+        if (!best) {
+            continue;
+        }
+        std::printf("  %s in groups of %s:", size_name(t.bytes).c_str(),
+                    size_name(cudawait::pipeline_options::default_group_bytes).c_str());
+        for (const char* v : kGroupVariants) {
+            print_cell(find(g_chunk_gbps, size_name(t.bytes) + "/" + v), 0, 2);
+            std::printf(" GB/s %s ", v);
+        }
+        std::printf("\n");
+        print_ratio(size_name(t.bytes) + " / 64 MiB, best grouped (" + name + ")", best,
+                    ref_specified, t.target);
+    }
 }
 
 void print_host_memory_summary() {
@@ -832,6 +1014,46 @@ void print_devices_summary() {
     }
 }
 
+/// Section 3's 64 MiB figure: the better of plain and graph at the specified depth.
+std::optional<double> reference_64mib() {
+    std::optional<double> ref;
+    for (const chunk_case& c : kChunkCases) {
+        if (c.bytes != kReferenceChunkBytes) {
+            continue;
+        }
+        for (bool graph : {false, true}) {
+            const auto v = find(g_chunk_gbps, size_name(c.bytes) + "/" + chunk_key(graph, c.depth));
+            if (v && (!ref || *v > *ref)) {
+                ref = v;
+            }
+        }
+    }
+    return ref;
+}
+
+void print_stream_summary() {
+    if (g_stream_gbps.empty()) {
+        return;
+    }
+    std::printf("\n7. Streaming small items, light kernel, %s items over %s, pinned (median of "
+                "%lld interleaved runs)\n",
+                size_name(kStreamItemBytes).c_str(), size_name(kStreamTotalBytes).c_str(),
+                static_cast<long long>(kRounds));
+    std::optional<double> best;
+    std::string name = "streaming";
+    for (unsigned d : kStreamDepths) {
+        const std::string v = "depth" + std::to_string(d);
+        const auto r = find(g_stream_gbps, v);
+        print_row(v, 22, {{r, 8, 2, " GB/s"}});
+        if (r && (!best || *r > *best)) {
+            best = r;
+            name = v;
+        }
+    }
+    print_ratio("streaming " + size_name(kStreamItemBytes) + " items (" + name + ") / 64 MiB batch",
+                best, reference_64mib(), kStreamTarget);
+}
+
 void print_summary() {
     std::printf("\n==== pipeline_bench summary (medians; ratios within this run) ====\n");
     print_calibration();
@@ -841,6 +1063,7 @@ void print_summary() {
     print_host_memory_summary();
     print_stats_summary();
     print_devices_summary();
+    print_stream_summary();
     std::printf("\n%zu runs had their output checked against the host reference; all matched\n",
                 g_checked_runs);
     if (g_failures != 0) {

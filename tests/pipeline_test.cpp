@@ -3137,3 +3137,412 @@ TEST_F(pipeline_gpu, the_slots_device_buffers_come_from_the_device_resource_once
 }
 
 } // namespace
+
+// ---- chunk groups (pipeline_options::group_bytes) ----------------------------------------------
+
+namespace {
+
+using cudawait::detail::chunk_group;
+using cudawait::detail::group_chunks_for;
+using cudawait::detail::plan_group;
+
+// The group size: off, a chunk at or above group_bytes, a floor of the quotient, the cap.
+TEST(pipeline_groups, the_group_size_is_the_chunks_that_fit_in_group_bytes) {
+    EXPECT_EQ(group_chunks_for(0, 64_KiB, 256), 1u) << "0: no grouping";
+    EXPECT_EQ(group_chunks_for(4_MiB, 64_MiB, 256), 1u) << "large chunks are not grouped";
+    EXPECT_EQ(group_chunks_for(4_MiB, 4_MiB, 256), 1u);
+    EXPECT_EQ(group_chunks_for(4_MiB, 64_KiB, 256), 64u);
+    EXPECT_EQ(group_chunks_for(4_MiB, 1_MiB, 256), 4u);
+    EXPECT_EQ(group_chunks_for(4_MiB, 3_MiB, 256), 1u) << "a quotient below 2 is no group";
+    EXPECT_EQ(group_chunks_for(1_MiB, 300'000, 256), 3u) << "chunks that do not divide it";
+    EXPECT_EQ(group_chunks_for(1_GiB, 4, 256), 256u) << "capped";
+    EXPECT_EQ(group_chunks_for(1_GiB, 4, 0), 1u);
+}
+
+// Every group covers the chunks after the one before, and the elements of exactly those chunks,
+// in the input and in the output, with a short last chunk and outputs of another size.
+TEST(pipeline_groups, groups_cover_each_chunk_and_element_once_in_order) {
+    struct plan_case {
+        std::size_t inputs, chunk, outputs, group;
+    };
+    for (const plan_case& c : {plan_case{1000, 100, 100, 4}, plan_case{1001, 100, 100, 4},
+                               plan_case{999, 100, 30, 3}, plan_case{5, 100, 100, 8},
+                               plan_case{1000, 100, 250, 1}, plan_case{100 * 64 + 1, 100, 7, 64}}) {
+        SCOPED_TRACE(std::to_string(c.inputs) + " inputs, chunk " + std::to_string(c.chunk) +
+                     ", outputs " + std::to_string(c.outputs) + ", group " +
+                     std::to_string(c.group));
+        const std::size_t total = (c.inputs + c.chunk - 1) / c.chunk;
+        std::size_t next = 0;
+        std::size_t in_at = 0;
+        std::size_t out_at = 0;
+        std::size_t groups = 0;
+        while (next < total) {
+            const chunk_group g = plan_group(next, c.group, c.inputs, c.chunk, c.outputs);
+            ++groups;
+            EXPECT_EQ(g.first, next);
+            ASSERT_GE(g.chunks, 1u);
+            EXPECT_LE(g.chunks, c.group);
+            EXPECT_EQ(g.in_offset, in_at);
+            EXPECT_EQ(g.out_offset, out_at);
+            // Sum of the chunks' own sizes, as the pipeline cuts a batch into chunks.
+            std::size_t in_sum = 0;
+            std::size_t out_sum = 0;
+            for (std::size_t ch = g.first; ch < g.first + g.chunks; ++ch) {
+                const std::size_t k = std::min(c.chunk, c.inputs - ch * c.chunk);
+                in_sum += k;
+                out_sum += (k * c.outputs + c.chunk - 1) / c.chunk;
+                if (ch + 1 < g.first + g.chunks) {
+                    EXPECT_EQ(k, c.chunk) << "only a group's last chunk may be short";
+                }
+            }
+            EXPECT_EQ(g.in_count, in_sum);
+            EXPECT_EQ(g.out_count, out_sum);
+            EXPECT_EQ(g.last_in, g.in_count - (g.chunks - 1) * c.chunk);
+            EXPECT_EQ(g.full(c.group, c.chunk), g.chunks == c.group && g.last_in == c.chunk);
+            next += g.chunks;
+            in_at += g.in_count;
+            out_at += g.out_count;
+        }
+        EXPECT_EQ(next, total);
+        EXPECT_EQ(in_at, c.inputs);
+        EXPECT_EQ(groups, (total + c.group - 1) / c.group);
+    }
+}
+
+// The group context cuts chunk j's spans out of the group's, and makes its stage_context.
+TEST(pipeline_groups, the_group_context_cuts_out_each_chunk) {
+    std::vector<u32> in(250);
+    std::vector<u32> out(75);
+    cudawait::group_context g{
+        cudawait::stream_ref(cudaStreamPerThread), 1, 2, 0, 40, 3, 100, 30, {}};
+    for (std::size_t j = 0; j < 3; ++j) {
+        const std::span<u32> i = g.input_chunk(std::span<u32>(in), j);
+        const std::span<u32> o = g.output_chunk(std::span<u32>(out), j);
+        EXPECT_EQ(i.data(), in.data() + j * 100);
+        EXPECT_EQ(i.size(), j < 2 ? 100u : 50u);
+        EXPECT_EQ(o.data(), out.data() + j * 30);
+        EXPECT_EQ(o.size(), j < 2 ? 30u : 15u);
+        const cudawait::stage_context c = g.chunk_context(j);
+        EXPECT_EQ(c.chunk, 40 + j);
+        EXPECT_EQ(c.slot, 1u);
+        EXPECT_EQ(c.stage, 2u);
+    }
+}
+
+/// A group stage: one affine launch over the whole group (index-independent, so one launch is
+/// the same as one per chunk).
+constexpr u32 affine_a = 2654435761u;
+constexpr u32 affine_b = 0x9e3779b9u;
+struct affine_group_stage {
+    void operator()(std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) const {
+        cudawait::check(cudawait::testing::launch_affine(in.data(), out.data(), in.size(), affine_a,
+                                                         affine_b, g.stream.get()),
+                        "launch_affine");
+    }
+};
+/// A group stage that launches the transform once per chunk (the index restarts per chunk),
+/// cutting the chunks out with the group context.
+struct transform_group_stage {
+    void operator()(std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) const {
+        for (std::size_t j = 0; j < g.chunks; ++j) {
+            const std::span<u32> i = g.input_chunk(in, j);
+            cudawait::check(cudawait::testing::launch_transform(i.data(),
+                                                                g.output_chunk(out, j).data(),
+                                                                i.size(), salt, 0, g.stream.get()),
+                            "launch_transform");
+        }
+    }
+};
+
+std::vector<u32> affine_expected(const std::vector<u32>& in) {
+    std::vector<u32> out(in.size());
+    cudawait::testing::affine_on_host(in.data(), out.data(), in.size(), affine_a, affine_b);
+    return out;
+}
+
+enum class group_stage_kind { per_chunk, group_transform, group_affine };
+
+struct group_case {
+    unsigned depth;
+    std::size_t chunk;       // elements
+    std::size_t group_bytes; // G = group_bytes / (chunk x 4)
+    std::size_t n;           // input elements
+    group_stage_kind kind;
+    bool graph;
+    bool pinned;
+};
+
+void PrintTo(const group_case& c, std::ostream* os) {
+    *os << "depth " << c.depth << ", chunk " << c.chunk << ", group_bytes " << c.group_bytes
+        << ", n " << c.n << ", kind " << static_cast<int>(c.kind) << (c.graph ? ", graph" : "")
+        << (c.pinned ? ", pinned" : ", pageable");
+}
+
+std::string kind_name(group_stage_kind k) {
+    switch (k) {
+    case group_stage_kind::per_chunk:
+        return "per_chunk";
+    case group_stage_kind::group_transform:
+        return "group_transform";
+    case group_stage_kind::group_affine:
+        return "group_affine";
+    }
+    return "unknown";
+}
+
+class pipeline_grouped : public pipeline_gpu, public ::testing::WithParamInterface<group_case> {};
+
+// Grouped batches: every element right, with per-chunk and group stages, groups that do and do
+// not divide the chunk count, a ragged last chunk, depths 2..4, plain and graph, pinned and
+// pageable; stats count chunks; a second run reuses the slots (and replays the graphs).
+TEST_P(pipeline_grouped, every_element_is_right_and_stats_count_chunks) {
+    const group_case c = GetParam();
+    auto in = random_words(c.n, c.n + c.depth);
+    const auto want =
+        c.kind == group_stage_kind::group_affine ? affine_expected(in) : expected(in, c.chunk);
+    pipeline_options o;
+    o.depth = c.depth;
+    o.chunk_elements = c.chunk;
+    o.group_bytes = c.group_bytes;
+    o.graph = c.graph;
+    std::vector<pipe_t::stage> stages;
+    switch (c.kind) {
+    case group_stage_kind::per_chunk:
+        stages.push_back(transform_stage());
+        break;
+    case group_stage_kind::group_transform:
+        stages.emplace_back(transform_group_stage{});
+        break;
+    case group_stage_kind::group_affine:
+        stages.emplace_back(affine_group_stage{});
+        break;
+    }
+    pipe_t pipe(o, std::move(stages));
+    const std::size_t chunks = (c.n + c.chunk - 1) / c.chunk;
+    cudawait::scheduler sched;
+    for (int round = 0; round < 2; ++round) {
+        SCOPED_TRACE("round " + std::to_string(round));
+        if (c.pinned) {
+            pinned_buffer<u32> pin(c.n);
+            pinned_buffer<u32> pout(c.n);
+            copy_into(pin, in);
+            std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+            cudawait::sync_wait(sched, pipe.run(pin.span(), pout.span()));
+            ASSERT_EQ(first_mismatch(std::vector<u32>(pout.begin(), pout.end()), want), c.n);
+        } else {
+            std::vector<u32> out(c.n, 0xdeadbeefu);
+            cudawait::sync_wait(sched, pipe.run(in, out));
+            ASSERT_EQ(first_mismatch(out, want), c.n);
+        }
+        const auto st = pipe.stats();
+        EXPECT_EQ(st.chunks, chunks);
+        EXPECT_EQ(st.gpu_chunks, chunks);
+        EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
+        EXPECT_EQ(st.input_bytes, c.n * sizeof(u32));
+        EXPECT_EQ(st.output_bytes, c.n * sizeof(u32));
+        EXPECT_EQ(st.latency.samples, chunks) << "a latency sample per chunk";
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    configurations, pipeline_grouped,
+    ::testing::Values(
+        // 4 chunks per group, 24 chunks: groups divide the chunks.
+        group_case{2, 4096, 64_KiB, 4096 * 24, group_stage_kind::per_chunk, false, true},
+        group_case{3, 4096, 64_KiB, 4096 * 24, group_stage_kind::group_affine, false, true},
+        // 3 chunks per group (group_bytes not a multiple of the chunk), ragged last chunk.
+        group_case{4, 5000, 64_KiB, 5000 * 20 + 777, group_stage_kind::group_transform, false,
+                   true},
+        group_case{2, 5000, 64_KiB, 5000 * 20 + 777, group_stage_kind::per_chunk, false, false},
+        group_case{3, 5000, 64_KiB, 5000 * 20 + 777, group_stage_kind::group_affine, true, true},
+        group_case{4, 4096, 64_KiB, 4096 * 25 + 1, group_stage_kind::per_chunk, true, true},
+        group_case{2, 4096, 64_KiB, 4096 * 22 + 100, group_stage_kind::group_transform, true,
+                   false},
+        // Fewer chunks than one group; and 64 chunks of 1 KiB per group.
+        group_case{3, 1000, 1_MiB, 2500, group_stage_kind::per_chunk, false, true},
+        group_case{4, 256, 64_KiB, 256 * 300 + 5, group_stage_kind::group_affine, false, true},
+        group_case{2, 256, 64_KiB, 256 * 300 + 5, group_stage_kind::per_chunk, true, true}),
+    [](const ::testing::TestParamInfo<group_case>& info) {
+        const group_case& c = info.param;
+        return "depth" + std::to_string(c.depth) + "_chunk" + std::to_string(c.chunk) + "_n" +
+               std::to_string(c.n) + "_" + kind_name(c.kind) + (c.graph ? "_graph" : "") +
+               (c.pinned ? "_pinned" : "_pageable");
+    });
+
+/// What a group stage was told, per call.
+struct group_call {
+    std::size_t first_chunk, chunks, in_stride, out_stride, in_size, out_size, scratch_size;
+    unsigned slot, stage;
+    int device;
+    cudaStream_t stream;
+};
+
+struct recording_group_stage {
+    std::shared_ptr<std::vector<group_call>> calls;
+    void operator()(std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) const {
+        calls->push_back({g.first_chunk, g.chunks, g.in_stride, g.out_stride, in.size(), out.size(),
+                          g.scratch.size(), g.slot, g.stage, g.device, g.stream.get()});
+        affine_group_stage{}(in, out, g);
+    }
+};
+
+// The group context: consecutive groups from chunk 0, G chunks each but the last, the strides,
+// spans as long as the group's chunks, the slot below the depth, a compute stream, the scratch;
+// and a per-chunk stage is called once per chunk, in order, with each chunk's index.
+TEST_F(pipeline_gpu, a_group_stage_is_told_the_chunks_of_its_group) {
+    const std::size_t chunk = 3000;          // 12000 bytes: 5 chunks per 64 KiB group
+    const std::size_t n = chunk * 23 + 1234; // 24 chunks: groups of 5, 5, 5, 5, 4
+    auto in = random_words(n, 77);
+    auto calls = std::make_shared<std::vector<group_call>>();
+    auto per_chunk = std::make_shared<std::vector<std::size_t>>();
+    pipeline_options o;
+    o.depth = 3;
+    o.chunk_elements = chunk;
+    o.group_bytes = 64_KiB;
+    o.scratch_bytes = 512;
+    pipe_t::stage counting = [per_chunk](std::span<u32> a, std::span<u32> b,
+                                         const cudawait::stage_context& ctx) {
+        per_chunk->push_back(ctx.chunk);
+        EXPECT_EQ(a.size(), b.size());
+        EXPECT_EQ(ctx.scratch.size(), 512u);
+        cudawait::check(
+            cudawait::testing::launch_affine(a.data(), b.data(), a.size(), 1, 0, ctx.stream.get()),
+            "launch_affine");
+    };
+    pipe_t pipe(o, {recording_group_stage{calls}, counting});
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, pipe.run(in, out));
+    EXPECT_EQ(first_mismatch(out, affine_expected(in)), n);
+    ASSERT_EQ(calls->size(), 5u);
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < calls->size(); ++i) {
+        const group_call& c = (*calls)[i];
+        SCOPED_TRACE("group " + std::to_string(i));
+        EXPECT_EQ(c.first_chunk, next);
+        EXPECT_EQ(c.chunks, i < 4 ? 5u : 4u);
+        EXPECT_EQ(c.in_stride, chunk);
+        EXPECT_EQ(c.out_stride, chunk);
+        const std::size_t elements = i < 4 ? 5 * chunk : 3 * chunk + 1234;
+        EXPECT_EQ(c.in_size, elements);
+        EXPECT_EQ(c.out_size, elements);
+        EXPECT_EQ(c.scratch_size, 512u);
+        EXPECT_LT(c.slot, 3u);
+        EXPECT_EQ(c.stage, 0u);
+        EXPECT_EQ(c.device, 0);
+        EXPECT_EQ(c.stream, pipe.compute_stream(0).get());
+        next += c.chunks;
+    }
+    EXPECT_EQ(next, 24u);
+    std::vector<std::size_t> all(24);
+    for (std::size_t i = 0; i < all.size(); ++i) {
+        all[i] = i;
+    }
+    EXPECT_EQ(*per_chunk, all) << "the per-chunk stage: once per chunk, in order";
+}
+
+/// A group stage that fails to launch (non-sticky) whenever its group holds chunk `bad`.
+struct failing_group_stage {
+    std::size_t bad;
+    std::shared_ptr<int> failures;
+    void operator()(std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) const {
+        if (g.first_chunk <= bad && bad < g.first_chunk + g.chunks) {
+            ++*failures;
+            cudawait::check(cudawait::testing::launch_bad_config(g.stream.get()),
+                            "launch_bad_config");
+        }
+        transform_group_stage{}(in, out, g);
+    }
+};
+
+// A group that keeps failing goes to the fallback: each of its chunks once, the others come
+// from the GPU; the records name the group; pipeline_error without a fallback lists chunks.
+TEST_F(pipeline_gpu, a_failing_group_hands_each_of_its_chunks_to_the_fallback_once) {
+    const std::size_t chunk = 4096; // 4 chunks per 64 KiB group
+    const std::size_t n = chunk * 18 + 99;
+    auto in = random_words(n, 91);
+    const auto want = expected(in, chunk);
+    for (bool with_fallback : {true, false}) {
+        SCOPED_TRACE(with_fallback ? "fallback" : "no fallback");
+        auto failures = std::make_shared<int>(0);
+        std::vector<std::size_t> fallback_calls;
+        std::vector<cudawait::chunk_failure> records;
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.group_bytes = 64_KiB;
+        o.depth = 3;
+        o.max_retries = 2;
+        o.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
+        pipe_t::fallback fb;
+        if (with_fallback) {
+            fb = [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                fallback_calls.push_back(c);
+                host_fallback(c, a, b);
+            };
+        }
+        pipe_t p(o, {failing_group_stage{9, failures}}, fb); // group 2: chunks 8..11
+        std::vector<u32> out(n, 0xdeadbeefu);
+        cudawait::scheduler sched;
+        if (with_fallback) {
+            cudawait::sync_wait(sched, p.run(in, out));
+            EXPECT_EQ(first_mismatch(out, want), n);
+            EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{8, 9, 10, 11}));
+        } else {
+            try {
+                cudawait::sync_wait(sched, p.run(in, out));
+                ADD_FAILURE() << "no pipeline_error";
+            } catch (const pipeline_error& e) {
+                EXPECT_EQ(e.failed(), (std::vector<std::size_t>{8, 9, 10, 11}));
+                EXPECT_EQ(e.completed().size(), 15u);
+            }
+            for (std::size_t i = 0; i < n; ++i) {
+                const bool failed_chunk = i / chunk >= 8 && i / chunk < 12;
+                if (!failed_chunk) {
+                    ASSERT_EQ(out[i], want[i]) << "element " << i;
+                }
+            }
+        }
+        EXPECT_EQ(*failures, 3) << "first try and max_retries retries";
+        const auto st = p.stats();
+        EXPECT_EQ(st.gpu_chunks, 15u);
+        EXPECT_EQ(with_fallback ? st.fallback_chunks : st.failed_chunks, 4u);
+        EXPECT_EQ(st.retries, 2u);
+        ASSERT_EQ(records.size(), 3u);
+        for (const auto& r : records) {
+            EXPECT_EQ(r.chunk, 8u);
+            EXPECT_EQ(r.chunks, 4u);
+            EXPECT_EQ(r.elements, 4 * chunk);
+            EXPECT_EQ(r.offset, 8 * chunk);
+        }
+        EXPECT_EQ(records.back().level, cudawait::degrade_level::give_up);
+    }
+}
+
+// Streaming through a grouped pipeline: small items of random sizes, each delivered in order
+// with every element checked.
+TEST_F(pipeline_gpu, streaming_small_items_through_a_grouped_pipeline_stays_in_order) {
+    const std::size_t chunk = 2048;
+    std::vector<std::vector<u32>> chunks;
+    std::mt19937 sizes(5);
+    for (std::size_t i = 0; i < 100; ++i) {
+        chunks.push_back(random_words(1 + sizes() % chunk, 500 + i));
+    }
+    for (bool graph : {false, true}) {
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.group_bytes = 64_KiB;
+        o.depth = 3;
+        o.graph = graph;
+        pipe_t p(o, {transform_stage()});
+        cudawait::scheduler sched;
+        const auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
+        ASSERT_EQ(seen.size(), chunks.size());
+        for (std::size_t i = 0; i < seen.size(); ++i) {
+            EXPECT_TRUE(seen[i].right) << "item " << i << (graph ? ", graph" : "");
+            EXPECT_FALSE(seen[i].by_fallback);
+        }
+        EXPECT_EQ(p.stats().gpu_chunks, chunks.size());
+    }
+}
+
+} // namespace

@@ -8,6 +8,8 @@
 //                 lengths: stage 0 reads the chunk's input, a later stage the previous one's
 //                 output); or the older void(dev_in, dev_out, stream_ref s), launching on `s`
 //       stage_context (pipeline_stage.hpp): stream, slot, stage, device, chunk, scratch
+//       group stage: void(dev_in, dev_out, const group_context& g): one launch for a group of
+//                 g.chunks consecutive chunks (with options.group_bytes; below)
 //       fallback: void(std::size_t chunk, std::span<const float> in, std::span<float> out)
 //                 computes a chunk on the host when the GPU cannot (optional)
 //
@@ -114,6 +116,25 @@
 // chunks) and the maximum: in a batch from a chunk's first enqueue attempt to its output in
 // place, in streaming from submit() to next() delivering it (latency_summary). The samples go
 // into a window reserved when the run begins: recording a chunk allocates nothing.
+//
+// Chunk groups (options.group_bytes; 0, the default, is off). Small chunks are limited by what
+// is paid per chunk, not by the link: a copy call, a launch (~3.4 us of host time), events and a
+// scheduler wait each. With group_bytes set, G = group_bytes / chunk bytes consecutive chunks
+// (at most 256; chunks of group_bytes or more are not grouped) move as one unit: each slot holds
+// G chunks back to back (depth x G chunks of device memory, and of pinned memory for staging),
+// and a group takes one H2D copy, one D2H copy, one set of event waits and records and one wait
+// on the host. A group stage (group_context) is called once per group: one launch; a per-chunk
+// stage is called once per chunk of the group, in order, on the group's stream; in graph mode a
+// full group's copies and launches are one graph per slot (a short last group runs plainly).
+// Per chunk as before: results, stats (chunks, gpu/fallback/failed chunks), latency samples,
+// the fallback (a group given up hands each of its chunks to it once, in order), the
+// pipeline_error lists and recovery's count. Per group: retries, chunk_timeout (the wait is the
+// group's), depth (slots are slot groups), the degradation records (chunk_failure::chunks), the
+// alert window and the trace and timeline ranges (named by the group's first chunk).
+// pipeline_options::default_group_bytes (4 MiB) suits 64 KiB .. 1 MiB chunks; grouping is
+// opt-in because it multiplies each slot's memory by G and changes the unit of slot reuse,
+// retries and records. Streaming is not grouped: each submitted item is its own flight (in a
+// grouped pipeline it uses the first chunk of its slot's buffers).
 //
 // How a chunk flows (batch), file by file:
 //   1. pipeline.hpp                  run() checks the ranges and classifies their memory

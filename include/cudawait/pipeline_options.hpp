@@ -2,9 +2,9 @@
 #pragma once
 
 // Synopsis
-//   pipeline_options  how a pipeline is built (chunk size, depth, streams, stage scratch and
-//                     streams, graph, copies in pieces, timing, timeouts, callbacks, staging
-//                     pool, device memory resource, timeline)
+//   pipeline_options  how a pipeline is built (chunk size, depth, chunk groups, streams,
+//                     stage scratch and streams, graph, copies in pieces, timing, timeouts,
+//                     callbacks, staging pool, device memory resource, timeline)
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
@@ -150,11 +150,14 @@ enum class degrade_action {
 /// One degradation step, passed to pipeline_options::on_degrade (default: printed to stderr).
 /// It carries what a post-mortem needs: where the chunk is, how the pipeline was configured,
 /// the streams and the data pointers of the chunk, and the typed error.
+/// With chunk groups (pipeline_options::group_bytes) a step applies to a group: `chunk` is its
+/// first chunk, `chunks` the number of chunks, and the sizes and pointers are the group's.
 struct chunk_failure {
     std::size_t chunk = 0;           ///< chunk index within the run (or submission index)
     std::size_t offset = 0;          ///< first input element of the chunk (0 when streaming)
-    std::size_t elements = 0;        ///< input elements in the chunk
-    std::size_t output_elements = 0; ///< output elements of the chunk
+    std::size_t elements = 0;        ///< input elements in the chunk (the group)
+    std::size_t output_elements = 0; ///< output elements of the chunk (the group)
+    std::size_t chunks = 1;          ///< chunks the step applies to (a group's, else 1)
     std::size_t input_bytes = 0;
     std::size_t output_bytes = 0;
     unsigned depth = 0; ///< slots in use after this step
@@ -201,12 +204,25 @@ struct pipeline_options {
     /// == 1; graph replays are not affected (pipeline.hpp).
     bool stage_streams = false;
     /// Replay each slot's work as a CUDA graph (full chunks; a short last chunk runs plainly).
+    /// With chunk groups, full groups replay; a short last group runs plainly.
     bool graph = false;
     /// Each chunk's H2D and D2H copy enqueued as copies of at most this many bytes, in order on
     /// the same stream, so that a small copy on another stream (the small copy lane,
     /// copy_lane.hpp) waits for one piece at most, not for the whole chunk. 0: one copy per
     /// chunk. Graph replays copy whole chunks (one memcpy node each).
     std::size_t copy_piece_bytes = 0;
+    /// Chunk groups: runs of G consecutive chunks, G = group_bytes / (chunk_elements x
+    /// sizeof(In)) (at most max_group_chunks), move through the pipeline as one unit: one H2D
+    /// copy, one D2H copy, one set of events and one wait per group, and one launch per group
+    /// for a group stage (pipeline_stage.hpp). Each slot then holds G chunks (its device and
+    /// pinned buffers are G chunks long). Chunks of group_bytes or more are not grouped; 0 (the
+    /// default): no grouping. For chunks of a few hundred KiB or less, where per-chunk launches
+    /// and bookkeeping dominate, default_group_bytes is a good value (pipeline.hpp).
+    std::size_t group_bytes = 0;
+    /// A group size that makes 64 KiB .. 1 MiB chunks move at close to the link's rate.
+    static constexpr std::size_t default_group_bytes = std::size_t{4} << 20;
+    /// The most chunks in one group.
+    static constexpr std::size_t max_group_chunks = 256;
     /// Timing events per stage, for stats() and alerts.
     bool timing = false;
     /// Alert when achieved H2D or D2H bandwidth over `alert_window` chunks stays below this

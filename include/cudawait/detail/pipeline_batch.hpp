@@ -4,6 +4,15 @@
 // The batch driver: run() cuts the host ranges into chunks, starts them on the slots (staging
 // pageable ones through the slots' pinned buffers), awaits the oldest in flight, puts its output
 // in place, and degrades on errors and timeouts (see the pipeline synopsis).
+//
+// With chunk groups (options.group_bytes) the unit started, awaited and retired is a group of
+// up to G consecutive chunks (detail/pipeline_group.hpp plans them): one flight, one wait. What
+// is per chunk stays per chunk: the chunks' states, stats (chunks, gpu_chunks, fallback_chunks,
+// failed_chunks), latency samples (from the group's first try), recovery's clean count, the
+// fallback (a group given up hands each of its chunks to it once) and pipeline_error's lists.
+// Retries and chunk_timeout apply to the group (attempts are counted on its first chunk; a
+// group retried after a lowered depth has the same chunks), and so do degradation records
+// (chunk_failure::chunks) and the trace and timeline ranges.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -15,6 +24,7 @@
 #include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
+#include <cudawait/detail/pipeline_group.hpp>
 #include <cudawait/detail/pipeline_slots.hpp>
 #include <cudawait/detail/staging.hpp>
 
@@ -79,12 +89,15 @@ public:
                 std::size_t limit =
                     b.runahead() ? core::runahead_factor * k.active_depth : k.active_depth;
                 if (next < n && b.inflight.size() < limit) {
-                    flight f; // describes the chunk also when starting it fails
+                    flight f; // describes the group also when starting it fails
                     chunk_error error;
+                    const chunk_group g = plan(b, next);
                     try {
-                        note_first_try(b, next);
-                        start_chunk(b, next, f);
-                        ++next;
+                        for (std::size_t c = g.first; c < g.first + g.chunks; ++c) {
+                            note_first_try(b, c);
+                        }
+                        start_chunk(b, g, f);
+                        next += g.chunks;
                         continue;
                     } catch (const cuda_error& e) {
                         error = chunk_error_of(e);
@@ -110,7 +123,10 @@ public:
                                          k.on_gpu_failure ? degrade_action::fallback
                                                           : degrade_action::failed,
                                          error);
-                    run_fallback(b, next++);
+                    for (std::size_t c = g.first; c < g.first + g.chunks; ++c) {
+                        run_fallback(b, c);
+                    }
+                    next += g.chunks;
                     continue;
                 }
                 co_await retire(b);
@@ -158,6 +174,13 @@ private:
         [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
 
+    // The group that starts at chunk `first`.
+    [[nodiscard]] chunk_group plan(const batch& b, std::size_t first) const {
+        const pipeline_options& o = m_core.options;
+        return plan_group(first, m_core.group_chunks, b.in.size(), o.chunk_elements,
+                          o.output_elements);
+    }
+
     [[nodiscard]] std::span<const In> chunk_in(const batch& b, std::size_t c) const {
         std::size_t chunk = m_core.options.chunk_elements;
         std::size_t off = c * chunk;
@@ -183,12 +206,13 @@ private:
         record_latency(b, c);
     }
 
-    // Starts chunk c on the GPU (staging its input if needed) as `f`, which describes the chunk
-    // also when this throws.
-    void start_chunk(batch& b, std::size_t c, flight& f) {
+    // Starts group g (one chunk without grouping) on the GPU (staging its input if needed) as
+    // `f`, which describes the group also when this throws.
+    void start_chunk(batch& b, const chunk_group& g, flight& f) {
         core& k = m_core;
-        std::span<const In> in = chunk_in(b, c);
-        std::span<Out> out = chunk_out(b, c);
+        const std::size_t c = g.first;
+        std::span<const In> in = b.in.subspan(g.in_offset, g.in_count);
+        std::span<Out> out = b.out.subspan(g.out_offset, g.out_count);
         // With pinned host ranges the GPU alone orders slot reuse (event waits), so the host runs
         // ahead round robin. With staging, the slot's host buffers must be free: any slot
         // without a chunk in flight (after a depth change it need not be below the new depth).
@@ -202,7 +226,8 @@ private:
         }
         slot& sl = *k.slots[s];
         f.chunk = c;
-        f.offset = c * k.options.chunk_elements;
+        f.chunks = g.chunks;
+        f.offset = g.in_offset;
         f.count = in.size();
         f.output_count = out.size();
         f.slot = s;
@@ -229,7 +254,7 @@ private:
         b.inflight.push_back(std::move(f));
     }
 
-    // The oldest chunk in flight completed on the GPU: its output goes in place.
+    // The oldest group in flight completed on the GPU: its output goes in place.
     void finish(batch& b, flight& f) {
         if (f.staged_out != nullptr) {
             timeline_scope span(m_core.options.timeline, "stage-out", "stage-out", f.chunk);
@@ -237,12 +262,15 @@ private:
                       f.output_count * sizeof(Out), f.chunk);
         }
         m_core.chunk_done(f);
-        b.state[f.chunk] = chunk_state::gpu;
-        ++m_core.monitor.counters().gpu_chunks;
-        if (b.attempts[f.chunk] == 0) {
-            m_core.note_clean();
+        const bool clean = b.attempts[f.chunk] == 0;
+        for (std::size_t c = f.chunk; c < f.chunk + f.chunks; ++c) {
+            b.state[c] = chunk_state::gpu;
+            ++m_core.monitor.counters().gpu_chunks;
+            if (clean) {
+                m_core.note_clean();
+            }
+            record_latency(b, c);
         }
-        record_latency(b, f.chunk);
     }
 
     // Chunk c is tried (started, or handed to the fallback) for the first time: its latency
@@ -275,7 +303,9 @@ private:
                                  k.on_gpu_failure ? degrade_action::fallback_after_gpu_lost
                                                   : degrade_action::failed_after_gpu_lost,
                                  why);
-            run_fallback(b, f.chunk);
+            for (std::size_t c = f.chunk; c < f.chunk + f.chunks; ++c) {
+                run_fallback(b, c);
+            }
         }
     }
 
@@ -358,8 +388,10 @@ private:
         std::deque<flight> lost;
         lost.swap(b.inflight);
         for (flight& g : lost) {
-            b.state[g.chunk] = chunk_state::failed;
-            ++stats.failed_chunks;
+            for (std::size_t c = g.chunk; c < g.chunk + g.chunks; ++c) {
+                b.state[c] = chunk_state::failed;
+                ++stats.failed_chunks;
+            }
             k.abandoned_events.push_back(std::move(g.done));
         }
         for (flight& g : lost) {

@@ -29,6 +29,20 @@
 // one slot are ordered by its graph stream.
 // The GPU alone orders slot reuse; the host reuses a slot's pinned staging buffers only after the
 // chunk that used them completed (the batch driver's `busy`, the streaming session's slots).
+//
+// Chunk groups (options.group_bytes, detail/pipeline_group.hpp). With G chunks per group a slot
+// is a slot group: its buffers hold G chunks back to back (chunk j at j x chunk_elements in
+// dev_in and the pinned input, j x output_elements in dev_out, dev_mid and the pinned output),
+// the layout of the host ranges, and a flight is a group of consecutive chunks. Everything
+// above then happens once per group: one H2D copy and one D2H copy (the group is contiguous on
+// both sides), the same event waits and records, one completion event; each stage is called
+// once per group (a group stage, one launch) or once per chunk of it in order (a per-chunk
+// stage), on the same stream, so the order rules above hold for the group as a whole, and the
+// chunks of a group share the slot's scratch in turn. Graph mode captures a full group's work
+// (per-chunk launches included) as the slot's graph: one replay per group. Without groups (G =
+// 1) a flight is one chunk and nothing differs from the above. The 256-byte scratch alignment
+// is unchanged; chunk j's device spans are aligned to their element type (and to 256 bytes
+// when a chunk's bytes are a multiple of 256).
 
 #include <cudawait/device.hpp>
 #include <cudawait/device_buffer.hpp>
@@ -43,6 +57,7 @@
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/copy_pieces.hpp>
+#include <cudawait/detail/pipeline_group.hpp>
 #include <cudawait/detail/pipeline_monitor.hpp>
 
 #include <algorithm>
@@ -123,14 +138,16 @@ struct pipeline_slot {
     /// Scratch alignment: what cudaMalloc gives, and what library temp storage expects.
     static constexpr std::size_t scratch_alignment = 256;
 
-    /// The device buffers are allocated in `alloc`'s order, from o.device_resource.
+    /// The device buffers, each `group` chunks long, are allocated in `alloc`'s order, from
+    /// o.device_resource.
     /// @throws cuda_error
-    pipeline_slot(const pipeline_options& o, std::size_t stages, stream_ref alloc,
-                  int graph_priority)
-        : dev_in(o.chunk_elements, alloc, o.device_resource),
-          dev_out(o.output_elements, alloc, o.device_resource),
-          dev_mid(stages > 1 ? device_buffer<Out>(o.output_elements, alloc, o.device_resource)
-                             : device_buffer<Out>()),
+    pipeline_slot(const pipeline_options& o, std::size_t stages, std::size_t group,
+                  stream_ref alloc, int graph_priority)
+        : chunks(group), dev_in(group * o.chunk_elements, alloc, o.device_resource),
+          dev_out(group * o.output_elements, alloc, o.device_resource),
+          dev_mid(stages > 1
+                      ? device_buffer<Out>(group * o.output_elements, alloc, o.device_resource)
+                      : device_buffer<Out>()),
           scratch_memory(padded_scratch(o.scratch_bytes, alloc, o.device_resource)),
           h2d_done(device_ref(o.device)), compute_done(device_ref(o.device)),
           d2h_done(device_ref(o.device)), graph_stream(device_ref(o.device), graph_priority) {
@@ -162,13 +179,14 @@ struct pipeline_slot {
     /// @throws std::bad_alloc, cuda_error
     void ensure_host_buffers(const pipeline_options& o, pinned_pool& pool) {
         if (!host_in) {
-            host_in = pinned_buffer<In>(o.chunk_elements, pool);
+            host_in = pinned_buffer<In>(chunks * o.chunk_elements, pool);
         }
         if (!host_out) {
-            host_out = pinned_buffer<Out>(o.output_elements, pool);
+            host_out = pinned_buffer<Out>(chunks * o.output_elements, pool);
         }
     }
 
+    std::size_t chunks = 1; // chunks per group: the buffers hold this many chunks
     device_buffer<In> dev_in;
     device_buffer<Out> dev_out;
     device_buffer<Out> dev_mid;              // chained stages: the outputs alternate with dev_out
@@ -186,9 +204,12 @@ struct pipeline_slot {
 
 /// A chunk in flight: which part of the input, on which slot, and its completion event (back to
 /// the pool when the record goes, or moved to pipeline_core::abandoned_events). Move-only.
+/// With chunk groups a flight is a group: `chunk` its first chunk, `chunks` how many, the counts
+/// and pointers the group's.
 template <class In, class Out>
 struct pipeline_flight {
     std::size_t chunk = 0;
+    std::size_t chunks = 1;
     std::size_t offset = 0; // input elements
     std::size_t count = 0;
     std::size_t output_count = 0;
@@ -227,6 +248,8 @@ struct pipeline_core {
     pipeline_core(pipeline_options o, std::vector<stage> s, fallback f)
         : options(validated(std::move(o))), stages(checked(std::move(s))),
           on_gpu_failure(std::move(f)),
+          group_chunks(group_chunks_for(options.group_bytes, options.chunk_elements * sizeof(In),
+                                        pipeline_options::max_group_chunks)),
           pool(options.pool != nullptr ? options.pool : &default_pinned_pool()),
           h2d(device_ref(options.device), transfer_priority()),
           d2h(device_ref(options.device), transfer_priority()),
@@ -283,8 +306,7 @@ struct pipeline_core {
         slot& sl = *slots[f.slot];
         f.timed = monitor.timing();
         std::vector<event>* t = f.timed ? &monitor.set(f.timing_set) : nullptr;
-        bool full = f.count == options.chunk_elements;
-        if (options.graph && full) {
+        if (replays(f)) {
             enqueue_graph(f, sl, src, dst, t);
             return;
         }
@@ -337,12 +359,18 @@ struct pipeline_core {
         }
     }
 
+    /// True when `f` runs as its slot's graph: graph mode and a full group (a full chunk).
+    [[nodiscard]] bool replays(const flight& f) const noexcept {
+        return options.graph && f.chunks == group_chunks &&
+               f.count == group_chunks * options.chunk_elements;
+    }
+
     /// f completed on the GPU: its bytes and times go to the monitor.
     /// @throws cuda_error; what on_alert throws
     void chunk_done(const flight& f) {
         monitor.chunk_done(f.count * sizeof(In), f.output_count * sizeof(Out),
                            f.timed ? std::optional<std::size_t>(f.timing_set) : std::nullopt,
-                           options.graph && f.count == options.chunk_elements);
+                           replays(f));
         if (f.timed && options.timeline != nullptr) {
             trace_chunk(f);
         }
@@ -352,7 +380,7 @@ struct pipeline_core {
     /// streams, "graph <slot>" for a slot's graph stream).
     /// @throws cuda_error
     void trace_chunk(const flight& f) {
-        const bool graph_replay = options.graph && f.count == options.chunk_elements;
+        const bool graph_replay = replays(f);
         std::string compute_track = "compute";
         if (!graph_replay && compute.size() > 1 && !options.stage_streams) {
             for (std::size_t i = 0; i < compute.size(); ++i) {
@@ -374,6 +402,7 @@ struct pipeline_core {
         chunk_failure c;
         c.chunk = f.chunk;
         c.offset = f.offset;
+        c.chunks = f.chunks;
         c.elements = f.count;
         c.output_elements = f.output_count;
         c.input_bytes = f.count * sizeof(In);
@@ -382,7 +411,7 @@ struct pipeline_core {
         c.compute_streams = options.compute_streams;
         c.device = options.device;
         c.graph = options.graph;
-        if (options.graph && f.count == options.chunk_elements) {
+        if (replays(f)) {
             c.h2d_stream = c.compute_stream = c.d2h_stream = sl.graph_stream.get();
         } else {
             c.h2d_stream = h2d.get();
@@ -418,6 +447,9 @@ struct pipeline_core {
     pipeline_options options;
     std::vector<stage> stages;
     fallback on_gpu_failure;
+    /// Chunks per group (options.group_bytes): each slot holds this many, a flight moves up to
+    /// this many; 1 without grouping.
+    std::size_t group_chunks = 1;
     pinned_pool* pool = nullptr;
     stream h2d;
     stream d2h;
@@ -524,8 +556,8 @@ private:
         std::vector<std::unique_ptr<slot>> v;
         v.reserve(options.depth);
         for (unsigned i = 0; i < options.depth; ++i) {
-            v.push_back(
-                std::make_unique<slot>(options, stages.size(), h2d, compute.front().priority()));
+            v.push_back(std::make_unique<slot>(options, stages.size(), group_chunks, h2d,
+                                               compute.front().priority()));
         }
         return v;
     }
@@ -544,11 +576,16 @@ private:
         const std::size_t n = stages.size();
         std::span<In> din(sl.dev_in.data(), f.count);
         std::span<Out> dout(sl.dev_out.data(), f.output_count);
-        stage_context ctx{.stream = first,
+        // A group's chunks lie back to back: chunk j at j x chunk_elements in dev_in, at j x
+        // output_elements in the outputs (a later stage's input is the previous one's output).
+        group_context ctx{.stream = first,
                           .slot = static_cast<unsigned>(f.slot),
                           .stage = 0,
                           .device = options.device,
-                          .chunk = f.chunk,
+                          .first_chunk = f.chunk,
+                          .chunks = f.chunks,
+                          .in_stride = options.chunk_elements,
+                          .out_stride = options.output_elements,
                           .scratch = sl.scratch};
         stream_ref tail = first; // follows everything launched so far
         for (std::size_t k = 0; k < n; ++k) {
@@ -560,10 +597,12 @@ private:
                     tail = ctx.stream;
                 }
                 if (k == 0) {
-                    stages[0](din, n == 1 ? dout : stage_output(sl, 0, f.output_count), ctx);
+                    stages[0].run_group(din, n == 1 ? dout : stage_output(sl, 0, f.output_count),
+                                        ctx);
                 } else if constexpr (std::is_same_v<In, Out>) { // several stages need it
-                    stages[k](stage_output(sl, k - 1, f.output_count),
-                              stage_output(sl, k, f.output_count), ctx);
+                    ctx.in_stride = options.output_elements;
+                    stages[k].run_group(stage_output(sl, k - 1, f.output_count),
+                                        stage_output(sl, k, f.output_count), ctx);
                 }
                 if (plain) {
                     check(cudaGetLastError(), "pipeline stage launch");
@@ -597,9 +636,9 @@ private:
         using m = pipeline_monitor;
         trace_range r("graph", f.chunk);
         if (!sl.graph) {
-            sl.graph.build(sl.dev_in.data(), src, options.chunk_elements * sizeof(In), dst,
-                           sl.dev_out.data(), options.output_elements * sizeof(Out),
-                           device_ref(options.device), [&](stream_ref capture_stream) {
+            sl.graph.build(sl.dev_in.data(), src, f.count * sizeof(In), dst, sl.dev_out.data(),
+                           f.output_count * sizeof(Out), device_ref(options.device),
+                           [&](stream_ref capture_stream) {
                                // One capture stream for all stages, stage_streams or not.
                                launch_stages(f, sl, capture_stream, false, false);
                            });

@@ -63,7 +63,7 @@ public:
         if (m_owner == nullptr) {
             throw usage_error("pipeline::input_slot: empty or already submitted");
         }
-        return m_owner->slot_of(m_index).host_in.span();
+        return m_owner->input_of(m_index);
     }
 
 private:
@@ -434,6 +434,11 @@ private:
     }
 
     [[nodiscard]] slot& slot_of(std::size_t i) const { return *m_core.slots[i]; }
+    // Slot i's input as the producer fills it: one chunk (a grouped pipeline's slot holds a
+    // group; a streamed item uses its first chunk).
+    [[nodiscard]] std::span<In> input_of(std::size_t i) const {
+        return slot_of(i).host_in.span().first(m_core.options.chunk_elements);
+    }
 
     // Chunk f is delivered: its latency runs from its submission.
     void record_latency(const flight& f) {
