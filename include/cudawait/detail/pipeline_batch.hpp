@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The batch driver: run() cuts the host ranges into chunks, starts them on the slots (staging
-// pageable ones through the slots' pinned buffers), awaits the oldest in flight, puts its output
-// in place, and degrades on errors and timeouts (see the pipeline synopsis).
+// The batch driver: run() cuts the host ranges into chunks, starts them on the slots, awaits the
+// oldest in flight, puts its output in place, and degrades on errors and timeouts (see the
+// pipeline synopsis). Pageable ranges are staged through the batch's own pinned rings, the host
+// copies on worker threads off the scheduler's thread (detail/pipeline_staging.hpp).
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -16,13 +17,14 @@
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/pipeline_slots.hpp>
-#include <cudawait/detail/staging.hpp>
+#include <cudawait/detail/pipeline_staging.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <deque>
 #include <exception>
+#include <source_location>
 #include <span>
 #include <string>
 #include <utility>
@@ -64,6 +66,12 @@ public:
         b.state.assign(n, chunk_state::pending);
         b.attempts.assign(n, 0);
         b.taken.assign(n, {});
+        if (!b.runahead()) {
+            scheduler* sched = co_await this_scheduler_ptr();
+            m_staging.begin(*sched, k.options.timeline, *k.pool, k.options.depth,
+                            k.options.chunk_elements, k.options.output_elements, !pinned_in,
+                            !pinned_out);
+        }
         k.monitor.reset();
         pipeline_stats& stats = k.monitor.counters();
         auto t0 = std::chrono::steady_clock::now();
@@ -71,6 +79,9 @@ public:
         std::exception_ptr failure;
         try {
             while (next < n || !b.inflight.empty()) {
+                if (!b.runahead() && co_await advance_staging(b, next, n)) {
+                    continue;
+                }
                 if (next < n && k.gpu_abandoned) {
                     note_first_try(b, next);
                     run_fallback(b, next++);
@@ -118,8 +129,12 @@ public:
         } catch (...) {
             failure = std::current_exception();
         }
+        if (!failure && !b.runahead()) {
+            co_await settle_staging(b); // the last outputs' stage-outs
+        }
         if (failure) {
             co_await drain(b); // not in the handler: a handler cannot co_await
+            co_await settle_staging(b);
             if (k.monitor.give_ups() != 0) {
                 write_failure_report(k);
             }
@@ -169,6 +184,9 @@ private:
     }
 
     void run_fallback(batch& b, std::size_t c) {
+        if (!b.runahead()) {
+            m_staging.drop(c); // the fallback reads and writes the caller's ranges
+        }
         pipeline_stats& stats = m_core.monitor.counters();
         if (!m_core.on_gpu_failure) {
             b.state[c] = chunk_state::failed;
@@ -190,8 +208,9 @@ private:
         std::span<const In> in = chunk_in(b, c);
         std::span<Out> out = chunk_out(b, c);
         // With pinned host ranges the GPU alone orders slot reuse (event waits), so the host runs
-        // ahead round robin. With staging, the slot's host buffers must be free: any slot
-        // without a chunk in flight (after a depth change it need not be below the new depth).
+        // ahead round robin. With staging, one chunk per slot is in flight (the batch's rings
+        // hold the host ends, and advance_staging saw them ready): any slot without a chunk in
+        // flight (after a depth change it need not be below the new depth).
         std::size_t s = 0;
         if (b.runahead()) {
             s = b.next_slot++ % k.active_depth;
@@ -200,7 +219,6 @@ private:
                 ++s;
             }
         }
-        slot& sl = *k.slots[s];
         f.chunk = c;
         f.offset = c * k.options.chunk_elements;
         f.count = in.size();
@@ -209,32 +227,31 @@ private:
         f.host_in = in.data();
         f.host_out = out.data();
         k.start_flight(f);
-        const In* src = in.data();
+        const In* src = b.pinned_in ? in.data() : m_staging.input(c);
         Out* dst = out.data();
-        if (!b.runahead()) {
-            sl.ensure_host_buffers(k.options, *k.pool);
+        try {
+            if (!b.pinned_out) {
+                dst = m_staging.output(c);
+                f.staged_out = out.data();
+            }
+            k.enqueue(f, src, dst);
+        } catch (...) {
+            if (!b.runahead()) {
+                m_staging.unstart(c); // a retry, or the fallback, takes the chunk
+            }
+            throw;
         }
-        if (!b.pinned_in) {
-            // The slot's previous chunk has retired (in flight <= depth), so its H2D is done.
-            timeline_scope span(k.options.timeline, "stage-in", "stage-in", c);
-            stage_in(sl.host_in.data(), in.data(), in.size_bytes(), c);
-            src = sl.host_in.data();
-        }
-        if (!b.pinned_out) {
-            dst = sl.host_out.data();
-            f.staged_out = out.data();
-        }
-        k.enqueue(f, src, dst);
         b.busy[s] = true;
         b.inflight.push_back(std::move(f));
     }
 
     // The oldest chunk in flight completed on the GPU: its output goes in place.
+    // Staged output goes in place on the stage-out workers; its latency is recorded when it
+    // landed (note_landed).
     void finish(batch& b, flight& f) {
-        if (f.staged_out != nullptr) {
-            timeline_scope span(m_core.options.timeline, "stage-out", "stage-out", f.chunk);
-            stage_out(f.staged_out, m_core.slots[f.slot]->host_out.data(),
-                      f.output_count * sizeof(Out), f.chunk);
+        bool staging_out = false;
+        if (!b.runahead()) {
+            staging_out = m_staging.landed(f.chunk, f.staged_out, f.output_count);
         }
         m_core.chunk_done(f);
         b.state[f.chunk] = chunk_state::gpu;
@@ -242,7 +259,69 @@ private:
         if (b.attempts[f.chunk] == 0) {
             m_core.note_clean();
         }
-        record_latency(b, f.chunk);
+        if (!staging_out) {
+            record_latency(b, f.chunk);
+        }
+    }
+
+    // ---- staging (pageable ranges; detail/pipeline_staging.hpp) ----
+
+    // One step of a staged batch before the usual start-or-retire: records the outputs that
+    // landed, retires a chunk the GPU finished (its stage-out starts at once), starts stage-ins
+    // into free input buffers, and when the next chunk cannot start yet but copies run, waits
+    // for one to finish (or ~100 us, to look at the GPU again). Returns whether it did a step;
+    // false leaves the usual path to start the next chunk (ready) or to retire the oldest.
+    task<bool> advance_staging(batch& b, std::size_t next, std::size_t n) {
+        core& k = m_core;
+        note_landed(b);
+        if (oldest_done(b)) {
+            co_await retire(b);
+            co_return true;
+        }
+        if (k.gpu_abandoned) {
+            co_return false;
+        }
+        while (m_staging.can_start_in(n)) {
+            std::span<const In> in = chunk_in(b, m_staging.next_in());
+            m_staging.start_in(in.data(), in.size());
+        }
+        const bool room = next < n && b.inflight.size() < k.active_depth;
+        if (!room || m_staging.ready(next) || !m_staging.busy()) {
+            co_return false;
+        }
+        using namespace std::chrono_literals;
+        co_await m_staging.wait(b.inflight.empty() ? std::chrono::nanoseconds(1ms)
+                                                   : std::chrono::nanoseconds(100us));
+        co_return true;
+    }
+
+    // The oldest chunk in flight finished on the GPU, or asking failed: retire() then waits
+    // for it, and sees the error, itself.
+    static bool oldest_done(const batch& b) {
+        if (b.inflight.empty()) {
+            return false;
+        }
+        try {
+            return event_ready(b.inflight.front().done.get(), std::source_location::current());
+        } catch (const cuda_error&) {
+            return true;
+        }
+    }
+
+    // Every copy of the batch finished (also after a failure: they use the caller's ranges).
+    task<void> settle_staging(batch& b) {
+        using namespace std::chrono_literals;
+        while (m_staging.busy()) {
+            co_await m_staging.wait(50us);
+        }
+        note_landed(b);
+    }
+
+    // Outputs that landed since the last look: their latency ends now.
+    void note_landed(batch& b) {
+        for (std::size_t c : m_staging.collect()) {
+            record_latency(b, c);
+        }
     }
 
     // Chunk c is tried (started, or handed to the fallback) for the first time: its latency
@@ -303,6 +382,13 @@ private:
             if (!landed) {
                 k.abandoned_events.push_back(std::move(f.done));
             }
+            if (!b.runahead()) {
+                if (landed) {
+                    m_staging.drop(f.chunk);
+                } else {
+                    m_staging.abandon(f.chunk, k.abandoned_inputs, k.abandoned_outputs);
+                }
+            }
             b.busy[f.slot] = false;
             b.inflight.pop_front();
         }
@@ -361,6 +447,9 @@ private:
             b.state[g.chunk] = chunk_state::failed;
             ++stats.failed_chunks;
             k.abandoned_events.push_back(std::move(g.done));
+            if (!b.runahead()) {
+                m_staging.abandon(g.chunk, k.abandoned_inputs, k.abandoned_outputs);
+            }
         }
         for (flight& g : lost) {
             k.report_degradation(g, degrade_level::give_up, degrade_action::failed_timed_out,
@@ -369,6 +458,7 @@ private:
     }
 
     core& m_core;
+    batch_staging<In, Out> m_staging; // pageable batches: the pinned rings, kept between runs
 };
 
 } // namespace cudawait::detail
