@@ -26,6 +26,7 @@
 #include <exception>
 #include <source_location>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -281,13 +282,23 @@ private:
         if (k.gpu_abandoned) {
             co_return false;
         }
+        m_staging.skip_to(next); // chunks before it are on the GPU, done, or the fallback's
         while (m_staging.can_start_in(n)) {
             std::span<const In> in = chunk_in(b, m_staging.next_in());
             m_staging.start_in(in.data(), in.size());
         }
         const bool room = next < n && b.inflight.size() < k.active_depth;
-        if (!room || m_staging.ready(next) || !m_staging.busy()) {
-            co_return false;
+        if (!room || m_staging.ready(next)) {
+            co_return false; // the usual path starts the next chunk, or retires the oldest
+        }
+        if (!m_staging.busy()) {
+            // No copy runs: the buffers the next chunk needs are held by chunks on the GPU.
+            if (b.inflight.empty()) {
+                throw std::logic_error("cudawait pipeline: staging holds no chunk in flight but "
+                                       "has no buffer free");
+            }
+            co_await retire(b);
+            co_return true;
         }
         using namespace std::chrono_literals;
         co_await m_staging.wait(b.inflight.empty() ? std::chrono::nanoseconds(1ms)

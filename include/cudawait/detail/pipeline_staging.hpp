@@ -226,6 +226,14 @@ public:
     }
     [[nodiscard]] std::size_t next_in() const noexcept { return m_next_in; }
 
+    /// Chunks before `c` need no staging any more (started, done, or taken by the fallback
+    /// before their stage-in began).
+    void skip_to(std::size_t c) noexcept {
+        if (m_next_in < c) {
+            m_next_in = c;
+        }
+    }
+
     /// Starts staging chunk m_next_in (`count` elements at `src`) into a free input buffer.
     /// @throws std::bad_alloc, pool_exhausted (a buffer made anew), cuda_error
     void start_in(const In* src, std::size_t count) {
