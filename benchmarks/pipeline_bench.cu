@@ -57,7 +57,17 @@
 //   4. Host memory, light kernel, 64 MiB chunks, depth 3, 4 GiB (one pipeline, runs alternating):
 //        BM_host_memory/pinned              the pinned input and output of 1
 //        BM_host_memory/pageable            std::vector input and output, pre-touched
-//      Summary: GB/s of each and pageable / pinned (for information, no target).
+//        BM_host_memory/registered          std::vector input and output registered once with
+//                                           cudawait::host_registration (before the runs, timed
+//                                           apart), passed as plain spans
+//        BM_host_memory/host_copy_bound     no GPU: the 4 GiB pageable -> pinned and 4 GiB
+//                                           pinned -> pageable at once, in 64 MiB copies on the
+//                                           library's own stage-in and stage-out workers, into
+//                                           and out of rings of depth + 2 pinned chunks (what a
+//                                           pageable batch's staging does without the GPU)
+//      Summary: GB/s of each; pageable / pinned (for information); pageable / host-copy bound
+//      (>= 0.85); registered / pinned (>= 0.9); and the registration's cost ("registration: Y
+//      ms for Z GiB").
 //   5. Stage statistics, depth 3, 64 MiB chunks, options.timing = true (a separate pipeline; one
 //      warm-up run, then one run whose stats() are printed; not used in any ratio):
 //        BM_stats_timing/light, /heavy      h2d_gbps, d2h_gbps, compute_to_transfer,
@@ -103,13 +113,18 @@
 #include <cudawait/multi_pipeline.hpp>
 #include <cudawait/pipeline.hpp>
 
+#include <cudawait/detail/parallel_memcpy.hpp>
+
 #include <algorithm>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -180,6 +195,9 @@ constexpr std::size_t kStreamItemBytes = 64_KiB;
 constexpr std::size_t kStreamTotalBytes = 512_MiB;
 constexpr unsigned kStreamDepths[] = {16, 64};
 constexpr double kStreamTarget = 0.35; ///< streaming / the 64 MiB batch figure, at least
+/// Section 4: pageable / host-copy bound, and registered / pinned, at least.
+constexpr double kPageableTarget = 0.85;
+constexpr double kRegisteredTarget = 0.90;
 
 /// multi_pipeline over {0} / pipeline on device 0, at least: one shard costs nothing.
 constexpr double kOneShardTarget = 0.98;
@@ -189,7 +207,7 @@ constexpr const char* kLightVariants[] = {
     "bidirectional_bound", "library_depth2_traced"};
 constexpr const char* kHeavyVariants[] = {"library_depth3", "raw_ring3", "h2d_alone",
                                           "kernel_alone",   "d2h_alone", "bidirectional"};
-constexpr const char* kHostVariants[] = {"pinned", "pageable"};
+constexpr const char* kHostVariants[] = {"pinned", "pageable", "registered", "host_copy_bound"};
 constexpr const char* kDeviceVariants[] = {"plain_device0", "multi_device0", "multi_all_devices"};
 
 // ---- results shared with the summary printed by main() ---------------------------------------
@@ -197,7 +215,13 @@ constexpr const char* kDeviceVariants[] = {"plain_device0", "multi_device0", "mu
 std::map<std::string, double> g_light_gbps; ///< light variant -> GB/s
 std::map<std::string, double> g_heavy_s;    ///< heavy variant -> seconds per 4 GiB
 std::map<std::string, double> g_chunk_gbps; ///< "<size>/<plain|graph>/d<depth>" -> GB/s
-std::map<std::string, double> g_host_gbps;  ///< "pinned", "pageable" -> GB/s
+std::map<std::string, double> g_host_gbps;  ///< kHostVariants -> GB/s
+/// Section 4: registering the registered variant's input and output, once.
+struct registration_cost {
+    double seconds = 0;
+    std::size_t bytes = 0;
+};
+std::optional<registration_cost> g_registration;
 
 std::map<std::string, double> g_device_gbps; ///< section 6: devices variant -> GB/s
 int g_devices = 1;                           ///< visible devices, counted at registration
@@ -493,18 +517,106 @@ void BM_chunk(benchmark::State& state, chunk_case c, bool graph) {
 
 // ---- 4. pinned versus pageable host memory ------------------------------------------------------
 
+/// The host-copy bound: `chunks` copies of kChunkBytes pageable -> pinned (from `in`) on the
+/// library's stage-in workers and as many pinned -> pageable (into `out`) on its stage-out
+/// workers, all at once, each direction through a ring of pinned chunks that a copy reuses only
+/// after the previous copy from or into it finished, as a pageable batch's staging does.
+/// Returns the wall time; checks the last copy through every ring chunk (a wrong byte aborts).
+double host_copy_bound_run(const float* in, float* out, std::size_t chunks,
+                           std::vector<cudawait::pinned_buffer<float>>& in_ring,
+                           std::vector<cudawait::pinned_buffer<float>>& out_ring) {
+    using cudawait::detail::memcpy_workers;
+    memcpy_workers& stage_in = memcpy_workers::stage_in_workers();
+    memcpy_workers& stage_out = memcpy_workers::stage_out_workers();
+    const std::size_t ring = in_ring.size();
+    std::mutex m;
+    std::condition_variable cv;
+    std::vector<bool> in_busy(ring, false);
+    std::vector<bool> out_busy(ring, false);
+    std::size_t in_done = 0;
+    std::size_t out_done = 0;
+    const double secs = time_host([&] {
+        std::size_t in_next = 0;
+        std::size_t out_next = 0;
+        std::unique_lock lock(m);
+        while (in_done < chunks || out_done < chunks) {
+            // Start every copy whose ring chunk is free (the callbacks take the lock).
+            while (in_next < chunks && !in_busy[in_next % ring]) {
+                const std::size_t c = in_next++;
+                in_busy[c % ring] = true;
+                lock.unlock();
+                stage_in.copy_async(in_ring[c % ring].data(), in + c * kChunk, kChunkBytes, [&, c] {
+                    std::lock_guard g(m);
+                    in_busy[c % ring] = false;
+                    ++in_done;
+                    cv.notify_one();
+                });
+                lock.lock();
+            }
+            while (out_next < chunks && !out_busy[out_next % ring]) {
+                const std::size_t c = out_next++;
+                out_busy[c % ring] = true;
+                lock.unlock();
+                stage_out.copy_async(out + c * kChunk, out_ring[c % ring].data(), kChunkBytes,
+                                     [&, c] {
+                                         std::lock_guard g(m);
+                                         out_busy[c % ring] = false;
+                                         ++out_done;
+                                         cv.notify_one();
+                                     });
+                lock.lock();
+            }
+            const std::size_t seen = in_done + out_done;
+            cv.wait(lock, [&] { return in_done + out_done != seen; });
+        }
+    });
+    for (std::size_t r = 0; r < ring && r < chunks; ++r) {
+        const std::size_t last = (chunks - 1 - r) / ring * ring + r; // the last chunk through r
+        if (std::memcmp(in_ring[r].data(), in + last * kChunk, kChunkBytes) != 0 ||
+            std::memcmp(out + last * kChunk, out_ring[r].data(), kChunkBytes) != 0) {
+            std::fprintf(stderr, "host_memory/host_copy_bound: chunk %zu was not copied\n", last);
+            std::abort();
+        }
+    }
+    return secs;
+}
+
 runs_by_variant measure_host_memory() {
     workload& w = work_data();
     cudawait::scheduler sched;
     const std::unique_ptr<float_pipeline> pipe =
         make_pipeline(work::light, kHostMemoryDepth, kChunk, false, false);
-    // Pageable copies of the input and zeroed output, every page touched before any timing.
+    // Pageable copies of the input and zeroed output, every page touched before any timing; the
+    // registered variant has its own, registered once here (timed apart).
     const std::vector<float> pageable_in(w.in.begin(), w.in.end());
     std::vector<float> pageable_out(kTotal);
-    const float* ins[] = {w.in.data(), pageable_in.data()};
-    float* outs[] = {w.out.data(), pageable_out.data()};
+    const std::vector<float> registered_in(w.in.begin(), w.in.end());
+    std::vector<float> registered_out(kTotal);
+    cudawait::host_registration<const float> reg_in;
+    cudawait::host_registration<float> reg_out;
+    const double reg_secs = time_host([&] {
+        reg_in = cudawait::host_registration(registered_in);
+        reg_out = cudawait::host_registration(registered_out);
+    });
+    g_registration = registration_cost{reg_secs, reg_in.bytes() + reg_out.bytes()};
+    // The bound's rings: as many chunks as a pageable batch's staging holds per direction.
+    const std::size_t ring = kHostMemoryDepth + 2;
+    std::vector<cudawait::pinned_buffer<float>> in_ring;
+    std::vector<cudawait::pinned_buffer<float>> out_ring;
+    for (std::size_t r = 0; r < ring; ++r) {
+        in_ring.emplace_back(kChunk, w.pool);
+        out_ring.emplace_back(kChunk, w.pool);
+        std::copy(w.in.begin() + r * kChunk, w.in.begin() + (r + 1) * kChunk, out_ring[r].begin());
+    }
+    std::vector<float> bound_out(kTotal); // touched: zeroed
+    const float* ins[] = {w.in.data(), pageable_in.data(), registered_in.data()};
+    float* outs[] = {w.out.data(), pageable_out.data(), registered_out.data()};
     // The warm-up creates the staging buffers and the memcpy threads.
     return interleaved(kRounds, kHostVariants, [&](std::size_t v) {
+        if (std::string(kHostVariants[v]) == "host_copy_bound") {
+            return host_copy_bound_run(pageable_in.data(), bound_out.data(), kTotal / kChunk,
+                                       in_ring, out_ring);
+        }
         return checked_library_run(work::light, sched, *pipe, ins[v], outs[v], kTotal,
                                    std::string("host_memory/") + kHostVariants[v]);
     });
@@ -955,6 +1067,17 @@ void print_host_memory_summary() {
     }
     print_ratio("pageable / pinned (for information)", find(g_host_gbps, "pageable"),
                 find(g_host_gbps, "pinned"), std::nullopt);
+    print_ratio("pageable / host-copy bound", find(g_host_gbps, "pageable"),
+                find(g_host_gbps, "host_copy_bound"), kPageableTarget);
+    print_ratio("registered / pinned", find(g_host_gbps, "registered"), find(g_host_gbps, "pinned"),
+                kRegisteredTarget);
+    if (g_registration) {
+        std::printf("  registration: %.1f ms for %.1f GiB (%.1f GB/s; cudaHostRegister of the "
+                    "registered\n  variant's input and output, once)\n",
+                    g_registration->seconds * 1e3,
+                    static_cast<double>(g_registration->bytes) / double(1_GiB),
+                    gbps(g_registration->bytes, g_registration->seconds));
+    }
 }
 
 void print_stats_summary() {

@@ -3,6 +3,7 @@
 // NVTX headers before it would define weakly.
 #include "nvtx_recorder.hpp"
 // The rest.
+#include <cudawait/host_registration.hpp>
 #include <cudawait/mapped_buffer.hpp>
 #include <cudawait/pipeline.hpp>
 #include <cudawait/scheduler.hpp>
@@ -311,7 +312,9 @@ TEST_F(pipeline_gpu, output_size_can_differ_from_input_size) {
     EXPECT_THROW((void)p.run(in, wrong), usage_error);
 }
 
-TEST_F(pipeline_gpu, staging_holds_at_most_depth_times_input_plus_output_chunk_bytes) {
+// The staging rings hold depth + 2 input and output chunks (one of each filling or draining
+// while the others wait for the GPU).
+TEST_F(pipeline_gpu, staging_holds_at_most_depth_plus_two_times_input_plus_output_chunk_bytes) {
     cudawait::pinned_pool pool;
     const std::size_t chunk = 1_MiB / 4;
     const std::size_t n = chunk * 12 + 5;
@@ -325,7 +328,7 @@ TEST_F(pipeline_gpu, staging_holds_at_most_depth_times_input_plus_output_chunk_b
     cudawait::scheduler sched;
     cudawait::sync_wait(sched, p.run(in, out));
     EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
-    EXPECT_LE(pool.stats().peak_in_use_bytes, 3 * (chunk * 4 + chunk * 4));
+    EXPECT_LE(pool.stats().peak_in_use_bytes, (3 + 2) * (chunk * 4 + chunk * 4));
     EXPECT_GT(pool.stats().peak_in_use_bytes, 0u);
 }
 
@@ -3546,3 +3549,137 @@ TEST_F(pipeline_gpu, streaming_small_items_through_a_grouped_pipeline_stays_in_o
 }
 
 } // namespace
+// ---- pageable staging on worker threads, registered host memory ------------------------------
+
+// Pageable ranges through the batch's staging rings: chunk sizes below one worker's part, at it
+// and split over several workers, a ragged last chunk, depths 2 to 4, pageable on either side or
+// both; the output poisoned before every run and every element checked. A second run through the
+// same pipeline reuses the rings.
+TEST_F(pipeline_gpu, pageable_batches_of_any_chunk_size_and_depth_are_exact) {
+    struct sides {
+        bool pinned_in;
+        bool pinned_out;
+    };
+    for (std::size_t chunk : {std::size_t{4099}, 1_MiB / 4 + 3, 3_MiB / 4 + 5}) {
+        for (unsigned depth : {2u, 3u, 4u}) {
+            for (sides sd : {sides{false, false}, sides{true, false}, sides{false, true}}) {
+                SCOPED_TRACE(testing::Message() << "chunk " << chunk << ", depth " << depth
+                                                << (sd.pinned_in ? ", pinned in" : "")
+                                                << (sd.pinned_out ? ", pinned out" : ""));
+                const std::size_t n = chunk * 7 + chunk / 3 + 1; // ragged last chunk
+                auto in = random_words(n, chunk + depth);
+                const auto want = expected(in, chunk);
+                pipeline_options o;
+                o.chunk_elements = chunk;
+                o.depth = depth;
+                pipe_t p(o, {transform_stage()});
+                cudawait::scheduler sched;
+                pinned_buffer<u32> pin(n);
+                pinned_buffer<u32> pout(n);
+                copy_into(pin, in);
+                std::vector<u32> out(n);
+                for (int round = 0; round < 2; ++round) {
+                    std::fill(out.begin(), out.end(), 0xdeadbeefu);
+                    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+                    std::span<const u32> src =
+                        sd.pinned_in ? std::span<const u32>(pin.span()) : std::span<const u32>(in);
+                    std::span<u32> dst = sd.pinned_out ? pout.span() : std::span<u32>(out);
+                    cudawait::sync_wait(sched, p.run(src, dst));
+                    if (sd.pinned_out) {
+                        out.assign(pout.begin(), pout.end());
+                    }
+                    ASSERT_EQ(first_mismatch(out, want), n) << "round " << round;
+                    auto st = p.stats();
+                    EXPECT_EQ(st.chunks, 8u);
+                    EXPECT_EQ(st.gpu_chunks, 8u);
+                    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
+                    EXPECT_EQ(st.latency.samples, 8u) << "one latency sample per chunk";
+                }
+            }
+        }
+    }
+}
+
+// Stage-ins and stage-outs of different chunks run at once on their workers while the GPU
+// works: with many chunks, a slow and a fast kernel, and two pipelines on one scheduler (their
+// copies share the workers), every chunk lands where it belongs.
+TEST_F(pipeline_gpu, concurrent_stage_in_and_stage_out_keep_every_chunk_in_place) {
+    const std::size_t chunk = 2_MiB / 4 + 17;
+    const std::size_t n = chunk * 24 + 99;
+    for (unsigned depth : {2u, 3u, 4u}) {
+        for (std::uint64_t spin : {std::uint64_t{0}, std::uint64_t{300'000}}) {
+            SCOPED_TRACE(testing::Message() << "depth " << depth << ", spin " << spin);
+            auto in_a = random_words(n, depth * 7 + spin);
+            auto in_b = random_words(n, depth * 11 + spin + 1);
+            const auto want_a = expected(in_a, chunk);
+            const auto want_b = expected(in_b, chunk);
+            std::vector<u32> out_a(n, 0xdeadbeefu);
+            std::vector<u32> out_b(n, 0xdeadbeefu);
+            pipeline_options o;
+            o.chunk_elements = chunk;
+            o.depth = depth;
+            pipe_t a(o, {transform_stage(spin)});
+            pipe_t b(o, {transform_stage(spin)});
+            cudawait::scheduler sched;
+            cudawait::sync_wait(sched, cudawait::when_all(a.run(in_a, out_a), b.run(in_b, out_b)));
+            ASSERT_EQ(first_mismatch(out_a, want_a), n);
+            ASSERT_EQ(first_mismatch(out_b, want_b), n);
+            EXPECT_EQ(a.stats().gpu_chunks, 25u);
+            EXPECT_EQ(b.stats().gpu_chunks, 25u);
+        }
+    }
+}
+
+// The staging rings: (depth + 2) input and output chunks, made once and kept between runs.
+TEST_F(pipeline_gpu, the_staging_rings_are_made_once_and_bounded_by_depth_plus_two) {
+    cudawait::pinned_pool pool;
+    const std::size_t chunk = 1_MiB / 4;
+    const std::size_t n = chunk * 20 + 5;
+    auto in = random_words(n, 21);
+    std::vector<u32> out(n);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.pool = &pool;
+    pipe_t p(o, {transform_stage()});
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    const auto first = pool.stats();
+    EXPECT_LE(first.peak_in_use_bytes, (2 + 2) * (chunk * 4 + chunk * 4));
+    EXPECT_GT(first.in_use_bytes, 0u) << "the rings are kept";
+    std::fill(out.begin(), out.end(), 0u);
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_EQ(pool.stats().hits + pool.stats().misses, first.hits + first.misses)
+        << "the second run took no new buffers";
+}
+
+// Registered vectors take the pinned path: no staging buffer is taken, as plain spans (the
+// driver calls them pinned) and as registered spans; every element checked, runs repeated.
+TEST_F(pipeline_gpu, registered_vectors_run_without_staging) {
+    cudawait::pinned_pool pool;
+    const std::size_t chunk = 1_MiB / 4 + 1;
+    const std::size_t n = chunk * 9 + 777;
+    auto in = random_words(n, 31);
+    const auto want = expected(in, chunk);
+    std::vector<u32> out(n);
+    cudawait::host_registration reg_in(in);
+    cudawait::host_registration reg_out(out);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.pool = &pool;
+    pipe_t p(o, {transform_stage()});
+    cudawait::scheduler sched;
+    for (int round = 0; round < 2; ++round) {
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(reg_in.span(), reg_out.span()));
+        ASSERT_EQ(first_mismatch(out, want), n) << "registered spans, round " << round;
+        std::fill(out.begin(), out.end(), 0xdeadbeefu);
+        cudawait::sync_wait(sched, p.run(in, out));
+        ASSERT_EQ(first_mismatch(out, want), n) << "plain vectors, round " << round;
+    }
+    EXPECT_EQ(pool.stats().peak_in_use_bytes, 0u) << "registered memory was staged";
+    EXPECT_EQ(p.stats().gpu_chunks, 10u);
+}

@@ -16,6 +16,7 @@
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
 #include <cudawait/graph.hpp>
+#include <cudawait/host_registration.hpp>
 #include <cudawait/interop.hpp>
 #include <cudawait/link.hpp>
 #include <cudawait/managed_buffer.hpp>

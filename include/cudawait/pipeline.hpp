@@ -70,9 +70,12 @@
 // batch runs, or a new session (acquire() after the end), may follow. acquire() during a batch
 // throws usage_error, and so do acquire() and submit() after close() until the session ended.
 //
-// Pinned host ranges are copied directly. Pageable ones are staged through the slot's pinned
-// buffers (depth x (input + output chunk) bytes from the pool), the host memcpy on several
-// threads. Graph mode records each slot's H2D -> stages -> D2H once as a CUDA graph and replays
+// Pinned host ranges (registered ones too: host_registration.hpp) are copied directly. In a
+// batch, pageable ones are staged through rings of pinned chunks ((depth + 2) x (input + output
+// chunk) bytes from the pool, kept between runs), the host copies on worker threads of their
+// own per direction, off the scheduler's thread, so that stage-in, the GPU and stage-out
+// overlap (detail/pipeline_staging.hpp).
+// Graph mode records each slot's H2D -> stages -> D2H once as a CUDA graph and replays
 // it. With `timing` on, stats() reports stage times, achieved bandwidths against the link's peak
 // (measured once per device), overlap efficiency, and alerts on low bandwidth or on a link the
 // host leaves idle (pipeline_alert::kind; describe_link in link.hpp tells what the link is).
@@ -139,15 +142,15 @@
 // How a chunk flows (batch), file by file:
 //   1. pipeline.hpp                  run() checks the ranges and classifies their memory
 //                                    (memory_kind.hpp), then hands them to the batch driver.
-//   2. detail/pipeline_batch.hpp     start_chunk() picks a slot; pageable input is staged into
-//                                    the slot's pinned buffer by stage_in (detail/staging.hpp,
-//                                    the same staging copy() uses).
+//   2. detail/pipeline_batch.hpp     start_chunk() picks a slot; pageable input was staged
+//                                    ahead into a pinned ring chunk on the stage-in workers
+//                                    (detail/pipeline_staging.hpp, advance_staging()).
 //   3. detail/pipeline_slots.hpp     enqueue(): H2D, the stages, D2H on their streams, ordered by
 //                                    the slot's events; or the slot's CUDA graph (graph.hpp).
 //   4. detail/pipeline_batch.hpp     retire() co_awaits the chunk's completion event (with
 //                                    chunk_timeout: with_timeout), degrading on errors;
-//                                    finish() stages pageable output out of the slot
-//                                    (stage_out, detail/staging.hpp).
+//                                    finish() starts the stage-out of pageable output on the
+//                                    stage-out workers (detail/pipeline_staging.hpp).
 //   5. detail/pipeline_monitor.hpp   the chunk's bytes and stage times go into stats() and alerts.
 // Streaming takes the same path through detail/pipeline_stream.hpp (submit() enqueues, next()
 // awaits), with the slot's pinned buffers as the producer's input and the consumer's output.

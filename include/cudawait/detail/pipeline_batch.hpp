@@ -1,18 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The batch driver: run() cuts the host ranges into chunks, starts them on the slots (staging
-// pageable ones through the slots' pinned buffers), awaits the oldest in flight, puts its output
-// in place, and degrades on errors and timeouts (see the pipeline synopsis).
+// The batch driver: run() cuts the host ranges into chunks, starts them on the slots, awaits the
+// oldest in flight, puts its output in place, and degrades on errors and timeouts (see the
+// pipeline synopsis). Pageable ranges are staged through the batch's own pinned rings, the host
+// copies on worker threads off the scheduler's thread (detail/pipeline_staging.hpp), one chunk
+// per flight.
 //
-// With chunk groups (options.group_bytes) the unit started, awaited and retired is a group of
-// up to G consecutive chunks (detail/pipeline_group.hpp plans them): one flight, one wait. What
-// is per chunk stays per chunk: the chunks' states, stats (chunks, gpu_chunks, fallback_chunks,
-// failed_chunks), latency samples (from the group's first try), recovery's clean count, the
-// fallback (a group given up hands each of its chunks to it once) and pipeline_error's lists.
-// Retries and chunk_timeout apply to the group (attempts are counted on its first chunk; a
-// group retried after a lowered depth has the same chunks), and so do degradation records
-// (chunk_failure::chunks) and the trace and timeline ranges.
+// With chunk groups (options.group_bytes) and pinned host ranges the unit started, awaited and
+// retired is a group of up to G consecutive chunks (detail/pipeline_group.hpp plans them): one
+// flight, one wait. What is per chunk stays per chunk: the chunks' states, stats (chunks,
+// gpu_chunks, fallback_chunks, failed_chunks), latency samples (from the group's first try),
+// recovery's clean count, the fallback (a group given up hands each of its chunks to it once)
+// and pipeline_error's lists. Retries and chunk_timeout apply to the group (attempts are counted
+// on its first chunk; a group retried after a lowered depth has the same chunks), and so do
+// degradation records (chunk_failure::chunks) and the trace and timeline ranges.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -26,14 +28,16 @@
 
 #include <cudawait/detail/pipeline_group.hpp>
 #include <cudawait/detail/pipeline_slots.hpp>
-#include <cudawait/detail/staging.hpp>
+#include <cudawait/detail/pipeline_staging.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <deque>
 #include <exception>
+#include <source_location>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +78,12 @@ public:
         b.state.assign(n, chunk_state::pending);
         b.attempts.assign(n, 0);
         b.taken.assign(n, {});
+        if (!b.runahead()) {
+            scheduler* sched = co_await this_scheduler_ptr();
+            m_staging.begin(*sched, k.options.timeline, *k.pool, k.options.depth,
+                            k.options.chunk_elements, k.options.output_elements, !pinned_in,
+                            !pinned_out);
+        }
         k.monitor.reset();
         pipeline_stats& stats = k.monitor.counters();
         auto t0 = std::chrono::steady_clock::now();
@@ -81,6 +91,9 @@ public:
         std::exception_ptr failure;
         try {
             while (next < n || !b.inflight.empty()) {
+                if (!b.runahead() && co_await advance_staging(b, next, n)) {
+                    continue;
+                }
                 if (next < n && k.gpu_abandoned) {
                     note_first_try(b, next);
                     run_fallback(b, next++);
@@ -134,8 +147,12 @@ public:
         } catch (...) {
             failure = std::current_exception();
         }
+        if (!failure && !b.runahead()) {
+            co_await settle_staging(b); // the last outputs' stage-outs
+        }
         if (failure) {
             co_await drain(b); // not in the handler: a handler cannot co_await
+            co_await settle_staging(b);
             if (k.monitor.give_ups() != 0) {
                 write_failure_report(k);
             }
@@ -174,11 +191,12 @@ private:
         [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
 
-    // The group that starts at chunk `first`.
+    // The group that starts at chunk `first`: one chunk where the batch stages (its rings and
+    // workers move chunks; the slots' device buffers then use their first chunk only).
     [[nodiscard]] chunk_group plan(const batch& b, std::size_t first) const {
         const pipeline_options& o = m_core.options;
-        return plan_group(first, m_core.group_chunks, b.in.size(), o.chunk_elements,
-                          o.output_elements);
+        return plan_group(first, b.runahead() ? m_core.group_chunks : 1, b.in.size(),
+                          o.chunk_elements, o.output_elements);
     }
 
     [[nodiscard]] std::span<const In> chunk_in(const batch& b, std::size_t c) const {
@@ -192,6 +210,9 @@ private:
     }
 
     void run_fallback(batch& b, std::size_t c) {
+        if (!b.runahead()) {
+            m_staging.drop(c); // the fallback reads and writes the caller's ranges
+        }
         pipeline_stats& stats = m_core.monitor.counters();
         if (!m_core.on_gpu_failure) {
             b.state[c] = chunk_state::failed;
@@ -214,8 +235,9 @@ private:
         std::span<const In> in = b.in.subspan(g.in_offset, g.in_count);
         std::span<Out> out = b.out.subspan(g.out_offset, g.out_count);
         // With pinned host ranges the GPU alone orders slot reuse (event waits), so the host runs
-        // ahead round robin. With staging, the slot's host buffers must be free: any slot
-        // without a chunk in flight (after a depth change it need not be below the new depth).
+        // ahead round robin. With staging, one chunk per slot is in flight (the batch's rings
+        // hold the host ends, and advance_staging saw them ready): any slot without a chunk in
+        // flight (after a depth change it need not be below the new depth).
         std::size_t s = 0;
         if (b.runahead()) {
             s = b.next_slot++ % k.active_depth;
@@ -224,7 +246,6 @@ private:
                 ++s;
             }
         }
-        slot& sl = *k.slots[s];
         f.chunk = c;
         f.chunks = g.chunks;
         f.offset = g.in_offset;
@@ -234,32 +255,31 @@ private:
         f.host_in = in.data();
         f.host_out = out.data();
         k.start_flight(f);
-        const In* src = in.data();
+        const In* src = b.pinned_in ? in.data() : m_staging.input(c);
         Out* dst = out.data();
-        if (!b.runahead()) {
-            sl.ensure_host_buffers(k.options, *k.pool);
+        try {
+            if (!b.pinned_out) {
+                dst = m_staging.output(c);
+                f.staged_out = out.data();
+            }
+            k.enqueue(f, src, dst);
+        } catch (...) {
+            if (!b.runahead()) {
+                m_staging.unstart(c); // a retry, or the fallback, takes the chunk
+            }
+            throw;
         }
-        if (!b.pinned_in) {
-            // The slot's previous chunk has retired (in flight <= depth), so its H2D is done.
-            timeline_scope span(k.options.timeline, "stage-in", "stage-in", c);
-            stage_in(sl.host_in.data(), in.data(), in.size_bytes(), c);
-            src = sl.host_in.data();
-        }
-        if (!b.pinned_out) {
-            dst = sl.host_out.data();
-            f.staged_out = out.data();
-        }
-        k.enqueue(f, src, dst);
         b.busy[s] = true;
         b.inflight.push_back(std::move(f));
     }
 
-    // The oldest group in flight completed on the GPU: its output goes in place.
+    // The oldest flight (a chunk, or a group) completed on the GPU: its output goes in place.
+    // Staged output goes in place on the stage-out workers; its latency is recorded when it
+    // landed (note_landed).
     void finish(batch& b, flight& f) {
-        if (f.staged_out != nullptr) {
-            timeline_scope span(m_core.options.timeline, "stage-out", "stage-out", f.chunk);
-            stage_out(f.staged_out, m_core.slots[f.slot]->host_out.data(),
-                      f.output_count * sizeof(Out), f.chunk);
+        bool staging_out = false;
+        if (!b.runahead()) {
+            staging_out = m_staging.landed(f.chunk, f.staged_out, f.output_count);
         }
         m_core.chunk_done(f);
         const bool clean = b.attempts[f.chunk] == 0;
@@ -269,6 +289,78 @@ private:
             if (clean) {
                 m_core.note_clean();
             }
+            if (!staging_out) {
+                record_latency(b, c);
+            }
+        }
+    }
+
+    // ---- staging (pageable ranges; detail/pipeline_staging.hpp) ----
+
+    // One step of a staged batch before the usual start-or-retire: records the outputs that
+    // landed, retires a chunk the GPU finished (its stage-out starts at once), starts stage-ins
+    // into free input buffers, and when the next chunk cannot start yet but copies run, waits
+    // for one to finish (or ~100 us, to look at the GPU again). Returns whether it did a step;
+    // false leaves the usual path to start the next chunk (ready) or to retire the oldest.
+    task<bool> advance_staging(batch& b, std::size_t next, std::size_t n) {
+        core& k = m_core;
+        note_landed(b);
+        if (oldest_done(b)) {
+            co_await retire(b);
+            co_return true;
+        }
+        if (k.gpu_abandoned) {
+            co_return false;
+        }
+        m_staging.skip_to(next); // chunks before it are on the GPU, done, or the fallback's
+        while (m_staging.can_start_in(n)) {
+            std::span<const In> in = chunk_in(b, m_staging.next_in());
+            m_staging.start_in(in.data(), in.size());
+        }
+        const bool room = next < n && b.inflight.size() < k.active_depth;
+        if (!room || m_staging.ready(next)) {
+            co_return false; // the usual path starts the next chunk, or retires the oldest
+        }
+        if (!m_staging.busy()) {
+            // No copy runs: the buffers the next chunk needs are held by chunks on the GPU.
+            if (b.inflight.empty()) {
+                throw std::logic_error("cudawait pipeline: staging holds no chunk in flight but "
+                                       "has no buffer free");
+            }
+            co_await retire(b);
+            co_return true;
+        }
+        using namespace std::chrono_literals;
+        co_await m_staging.wait(b.inflight.empty() ? std::chrono::nanoseconds(1ms)
+                                                   : std::chrono::nanoseconds(100us));
+        co_return true;
+    }
+
+    // The oldest chunk in flight finished on the GPU, or asking failed: retire() then waits
+    // for it, and sees the error, itself.
+    static bool oldest_done(const batch& b) {
+        if (b.inflight.empty()) {
+            return false;
+        }
+        try {
+            return event_ready(b.inflight.front().done.get(), std::source_location::current());
+        } catch (const cuda_error&) {
+            return true;
+        }
+    }
+
+    // Every copy of the batch finished (also after a failure: they use the caller's ranges).
+    task<void> settle_staging(batch& b) {
+        using namespace std::chrono_literals;
+        while (m_staging.busy()) {
+            co_await m_staging.wait(50us);
+        }
+        note_landed(b);
+    }
+
+    // Outputs that landed since the last look: their latency ends now.
+    void note_landed(batch& b) {
+        for (std::size_t c : m_staging.collect()) {
             record_latency(b, c);
         }
     }
@@ -333,6 +425,13 @@ private:
             if (!landed) {
                 k.abandoned_events.push_back(std::move(f.done));
             }
+            if (!b.runahead()) {
+                if (landed) {
+                    m_staging.drop(f.chunk);
+                } else {
+                    m_staging.abandon(f.chunk, k.abandoned_inputs, k.abandoned_outputs);
+                }
+            }
             b.busy[f.slot] = false;
             b.inflight.pop_front();
         }
@@ -393,6 +492,9 @@ private:
                 ++stats.failed_chunks;
             }
             k.abandoned_events.push_back(std::move(g.done));
+            if (!b.runahead()) {
+                m_staging.abandon(g.chunk, k.abandoned_inputs, k.abandoned_outputs);
+            }
         }
         for (flight& g : lost) {
             k.report_degradation(g, degrade_level::give_up, degrade_action::failed_timed_out,
@@ -401,6 +503,7 @@ private:
     }
 
     core& m_core;
+    batch_staging<In, Out> m_staging; // pageable batches: the pinned rings, kept between runs
 };
 
 } // namespace cudawait::detail

@@ -9,8 +9,9 @@
 //   staged_copy                                a pageable <-> device copy through a ring of
 //                                              pinned chunks (copy.hpp's copy and copy_async)
 // The host memcpy runs on several threads (detail/parallel_memcpy.hpp), inside an NVTX
-// "stage-in" / "stage-out" range whose payload is `index` (the chunk). The pipeline stages each
-// chunk through its slot's pinned buffers with the same two functions (pipeline_batch.hpp).
+// "stage-in" / "stage-out" range whose payload is `index` (the chunk). A pipeline batch stages
+// on worker threads of its own per direction instead, asynchronously, through its own rings
+// (detail/pipeline_staging.hpp), so that both directions and the GPU overlap.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
