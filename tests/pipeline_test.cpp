@@ -3413,10 +3413,14 @@ TEST_F(pipeline_gpu, a_group_stage_is_told_the_chunks_of_its_group) {
             "launch_affine");
     };
     pipe_t pipe(o, {recording_group_stage{calls}, counting});
-    std::vector<u32> out(n, 0xdeadbeefu);
+    // Pinned ranges: a batch that stages pageable ones moves one chunk per flight.
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, in);
+    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
     cudawait::scheduler sched;
-    cudawait::sync_wait(sched, pipe.run(in, out));
-    EXPECT_EQ(first_mismatch(out, affine_expected(in)), n);
+    cudawait::sync_wait(sched, pipe.run(pin.span(), pout.span()));
+    EXPECT_EQ(first_mismatch(std::vector<u32>(pout.begin(), pout.end()), affine_expected(in)), n);
     ASSERT_EQ(calls->size(), 5u);
     std::size_t next = 0;
     for (std::size_t i = 0; i < calls->size(); ++i) {
@@ -3484,20 +3488,26 @@ TEST_F(pipeline_gpu, a_failing_group_hands_each_of_its_chunks_to_the_fallback_on
             };
         }
         pipe_t p(o, {failing_group_stage{9, failures}}, fb); // group 2: chunks 8..11
-        std::vector<u32> out(n, 0xdeadbeefu);
+        // Pinned ranges, so that the batch moves groups (a staged one moves single chunks).
+        pinned_buffer<u32> pin(n);
+        pinned_buffer<u32> pout(n);
+        copy_into(pin, in);
+        std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
         cudawait::scheduler sched;
+        auto outputs = [&] { return std::vector<u32>(pout.begin(), pout.end()); };
         if (with_fallback) {
-            cudawait::sync_wait(sched, p.run(in, out));
-            EXPECT_EQ(first_mismatch(out, want), n);
+            cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            EXPECT_EQ(first_mismatch(outputs(), want), n);
             EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{8, 9, 10, 11}));
         } else {
             try {
-                cudawait::sync_wait(sched, p.run(in, out));
+                cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
                 ADD_FAILURE() << "no pipeline_error";
             } catch (const pipeline_error& e) {
                 EXPECT_EQ(e.failed(), (std::vector<std::size_t>{8, 9, 10, 11}));
                 EXPECT_EQ(e.completed().size(), 15u);
             }
+            const std::vector<u32> out = outputs();
             for (std::size_t i = 0; i < n; ++i) {
                 const bool failed_chunk = i / chunk >= 8 && i / chunk < 12;
                 if (!failed_chunk) {
@@ -3683,3 +3693,136 @@ TEST_F(pipeline_gpu, registered_vectors_run_without_staging) {
     EXPECT_EQ(pool.stats().peak_in_use_bytes, 0u) << "registered memory was staged";
     EXPECT_EQ(p.stats().gpu_chunks, 10u);
 }
+
+// ---- chunk groups and staged batches in one pipeline ------------------------------------------
+
+namespace {
+
+// A grouped pipeline moves a pinned batch in groups and a pageable (staged) batch one chunk per
+// flight, and runs of either kind may follow each other on one pipeline: the group stage is told
+// groups of G chunks (the last shorter) for pinned ranges and groups of one chunk, in order, for
+// pageable ones; graph replays built by a pinned run serve the next pinned run after a pageable
+// one; every element checked after every run, stats per chunk.
+TEST_F(pipeline_gpu, grouped_pinned_and_per_chunk_staged_batches_alternate_on_one_pipeline) {
+    const std::size_t chunk = 4096;         // 16 KiB: 4 chunks per 64 KiB group
+    const std::size_t n = chunk * 13 + 517; // 14 chunks: groups of 4, 4, 4, 2
+    auto in = random_words(n, 4242);
+    const auto want = affine_expected(in);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, in);
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        auto calls = std::make_shared<std::vector<group_call>>();
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        o.group_bytes = 64_KiB;
+        o.depth = 3;
+        o.graph = graph;
+        pipe_t pipe(o, {recording_group_stage{calls}});
+        cudawait::scheduler sched;
+        for (int round = 0; round < 3; ++round) {
+            for (bool pinned : {true, false}) {
+                SCOPED_TRACE(testing::Message()
+                             << "round " << round << (pinned ? ", pinned" : ", pageable"));
+                calls->clear();
+                std::vector<u32> out(n, 0xdeadbeefu);
+                if (pinned) {
+                    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+                    cudawait::sync_wait(sched, pipe.run(pin.span(), pout.span()));
+                    out.assign(pout.begin(), pout.end());
+                } else {
+                    cudawait::sync_wait(sched, pipe.run(in, out));
+                }
+                ASSERT_EQ(first_mismatch(out, want), n);
+                const auto st = pipe.stats();
+                EXPECT_EQ(st.chunks, 14u);
+                EXPECT_EQ(st.gpu_chunks, 14u);
+                EXPECT_EQ(st.latency.samples, 14u);
+                EXPECT_EQ(st.input_bytes, n * sizeof(u32));
+                // In graph mode the stage is called only when a slot's graph is captured.
+                if (graph && pinned) {
+                    EXPECT_LE(calls->size(), (round == 0 ? 3u : 0u) + 1u)
+                        << "graphs captured once per slot; the short last group runs plainly";
+                    for (const group_call& c : *calls) {
+                        EXPECT_TRUE(c.chunks == 4 || (c.first_chunk == 12 && c.chunks == 2));
+                    }
+                    continue;
+                }
+                const std::size_t groups = pinned ? 4 : 14;
+                ASSERT_EQ(calls->size(), groups);
+                std::size_t next = 0;
+                for (const group_call& c : *calls) {
+                    EXPECT_EQ(c.first_chunk, next);
+                    const std::size_t want_chunks =
+                        pinned ? std::min<std::size_t>(4, 14 - next) : 1;
+                    EXPECT_EQ(c.chunks, want_chunks);
+                    const std::size_t elements = std::min(want_chunks * chunk, n - next * chunk);
+                    EXPECT_EQ(c.in_size, elements);
+                    EXPECT_EQ(c.out_size, elements);
+                    EXPECT_LT(c.slot, 3u);
+                    next += c.chunks;
+                }
+                EXPECT_EQ(next, 14u);
+            }
+        }
+    }
+}
+
+// In a grouped pipeline a staged batch retries, records and hands to the fallback single
+// chunks: a launch failing for chunk 9 sends chunk 9 alone to the fallback, and the records
+// name one chunk; a pinned batch through the same pipeline then gives up the whole group.
+TEST_F(pipeline_gpu, a_staged_batch_in_a_grouped_pipeline_fails_single_chunks) {
+    const std::size_t chunk = 4096; // 4 chunks per 64 KiB group
+    const std::size_t n = chunk * 18 + 99;
+    auto in = random_words(n, 93);
+    const auto want = expected(in, chunk);
+    auto failures = std::make_shared<int>(0);
+    std::vector<std::size_t> fallback_calls;
+    std::vector<cudawait::chunk_failure> records;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.group_bytes = 64_KiB;
+    o.depth = 3;
+    o.max_retries = 1;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
+    pipe_t p(o, {failing_group_stage{9, failures}},
+             [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 host_fallback(c, a, b);
+             });
+    cudawait::scheduler sched;
+    std::vector<u32> out(n, 0xdeadbeefu);
+    cudawait::sync_wait(sched, p.run(in, out));
+    EXPECT_EQ(first_mismatch(out, want), n);
+    EXPECT_EQ(fallback_calls, std::vector<std::size_t>{9});
+    EXPECT_EQ(*failures, 2);
+    ASSERT_EQ(records.size(), 2u);
+    for (const auto& r : records) {
+        EXPECT_EQ(r.chunk, 9u);
+        EXPECT_EQ(r.chunks, 1u);
+        EXPECT_EQ(r.elements, chunk);
+        EXPECT_EQ(r.offset, 9 * chunk);
+    }
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 18u);
+    EXPECT_EQ(st.fallback_chunks, 1u);
+    EXPECT_EQ(st.latency.samples, 19u);
+
+    records.clear();
+    fallback_calls.clear();
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, in);
+    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+    cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+    EXPECT_EQ(first_mismatch(std::vector<u32>(pout.begin(), pout.end()), want), n);
+    EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{8, 9, 10, 11}));
+    ASSERT_FALSE(records.empty());
+    EXPECT_EQ(records.back().chunks, 4u);
+    st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 15u);
+    EXPECT_EQ(st.fallback_chunks, 4u);
+}
+
+} // namespace
