@@ -3826,3 +3826,359 @@ TEST_F(pipeline_gpu, a_staged_batch_in_a_grouped_pipeline_fails_single_chunks) {
 }
 
 } // namespace
+
+// ---- streaming in chunk groups ----------------------------------------------------------------
+
+namespace {
+
+/// A pipeline of 4096-element chunks in groups of 4 (64 KiB), whose group stage records its
+/// calls and runs the per-chunk transform over each chunk of the run.
+struct grouped_stream_setup {
+    std::shared_ptr<std::vector<group_call>> calls = std::make_shared<std::vector<group_call>>();
+    pipeline_options options(unsigned depth, bool graph) const {
+        pipeline_options o;
+        o.chunk_elements = 4096;
+        o.group_bytes = 64_KiB;
+        o.depth = depth;
+        o.graph = graph;
+        o.chunk_timeout = 20s; // a wait that hangs fails the test instead of hanging it
+        return o;
+    }
+};
+
+/// Records the run, then the transform per chunk (group_context cuts the chunks out).
+struct recording_transform_group_stage {
+    std::shared_ptr<std::vector<group_call>> calls;
+    void operator()(std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) const {
+        calls->push_back({g.first_chunk, g.chunks, g.in_stride, g.out_stride, in.size(), out.size(),
+                          g.scratch.size(), g.slot, g.stage, g.device, g.stream.get()});
+        transform_group_stage{}(in, out, g);
+    }
+};
+
+bool transformed_right(std::span<const u32> got, const std::vector<u32>& in) {
+    std::vector<u32> want(in.size());
+    cudawait::testing::transform_on_host(in.data(), want.data(), in.size(), salt);
+    return std::equal(want.begin(), want.end(), got.begin(), got.end());
+}
+
+/// Acquires and submits items[first..last) (each item's data), nothing else.
+cudawait::task<void> submit_items(pipe_t& p, const std::vector<std::vector<u32>>& items,
+                                  std::size_t first, std::size_t last) {
+    for (std::size_t i = first; i < last; ++i) {
+        auto slot = co_await p.acquire();
+        std::copy(items[i].begin(), items[i].end(), slot.data().begin());
+        p.submit(std::move(slot), items[i].size());
+    }
+}
+
+/// Takes `count` results with next(timeout): each must be item `first + k`, right and from the
+/// GPU. Returns how many were.
+cudawait::task<std::size_t> take_items(pipe_t& p, const std::vector<std::vector<u32>>& items,
+                                       std::size_t first, std::size_t count) {
+    std::size_t good = 0;
+    for (std::size_t k = 0; k < count; ++k) {
+        auto r = co_await p.next(10s);
+        if (r && r->chunk() == first + k && !r->by_fallback() &&
+            transformed_right(r->data(), items[first + k])) {
+            ++good;
+        }
+    }
+    co_return good;
+}
+
+// Full groups: items submitted in order fill the slot groups and go as one flight each (the
+// group stage is told runs of 4 chunks from chunk 0 on), every element right, in order; a
+// short last item ends its run; stats count items. Graph mode replays the full groups.
+TEST_F(pipeline_gpu, streaming_in_groups_sends_full_groups_as_one_flight) {
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        grouped_stream_setup setup;
+        pipe_t p(setup.options(3, graph), {recording_transform_group_stage{setup.calls}});
+        std::vector<std::vector<u32>> items;
+        for (std::size_t i = 0; i < 22; ++i) {
+            items.push_back(random_words(i == 21 ? 1000 : 4096, 700 + i));
+        }
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+            // 12 items fill the three slot groups; the producer then must wait for results.
+            co_await submit_items(p, items, 0, 12);
+            EXPECT_EQ(co_await take_items(p, items, 0, 12), 12u);
+            co_await submit_items(p, items, 12, 22);
+            p.close();
+            EXPECT_EQ(co_await take_items(p, items, 12, 10), 10u);
+            EXPECT_FALSE(co_await p.next(10s)) << "the session ends";
+        }());
+        const auto st = p.stats();
+        EXPECT_EQ(st.chunks, 22u);
+        EXPECT_EQ(st.gpu_chunks, 22u);
+        EXPECT_EQ(st.latency.samples, 22u);
+        EXPECT_EQ(st.input_bytes, (21 * 4096 + 1000) * sizeof(u32));
+        if (!graph) {
+            // Runs 0-3, 4-7, 8-11, 12-15, 16-19 and 20-21 (ended by the short item 21).
+            ASSERT_EQ(setup.calls->size(), 6u);
+            for (std::size_t g = 0; g < 6; ++g) {
+                EXPECT_EQ((*setup.calls)[g].first_chunk, 4 * g);
+                EXPECT_EQ((*setup.calls)[g].chunks, g < 5 ? 4u : 2u);
+                EXPECT_EQ((*setup.calls)[g].in_size, g < 5 ? 4 * 4096u : 4096u + 1000u);
+            }
+        }
+        // The pipeline is idle again: a batch runs.
+        auto in = random_words(4096 * 9, 9);
+        pinned_buffer<u32> pin(in.size());
+        pinned_buffer<u32> pout(in.size());
+        copy_into(pin, in);
+        cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+        EXPECT_EQ(first_mismatch(std::vector<u32>(pout.begin(), pout.end()), expected(in, 4096)),
+                  in.size());
+    }
+}
+
+// A partial run is sent when next() needs its first chunk (no flush otherwise: the group is not
+// full, no acquire() waits, no close()), and when close() is called; the rest of a slot group
+// serves the next items (a later run from the middle of the group).
+TEST_F(pipeline_gpu, streaming_in_groups_sends_a_partial_run_for_next_and_close) {
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        grouped_stream_setup setup;
+        pipe_t p(setup.options(2, graph), {recording_transform_group_stage{setup.calls}});
+        std::vector<std::vector<u32>> items;
+        for (std::size_t i = 0; i < 7; ++i) {
+            items.push_back(random_words(4096, 800 + i));
+        }
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+            co_await submit_items(p, items, 0, 2); // chunks 0, 1 of group A: held back
+            EXPECT_EQ(co_await take_items(p, items, 0, 2), 2u) << "next() sent them";
+            co_await submit_items(p, items, 2, 3); // chunk 2 of group A
+            EXPECT_EQ(co_await take_items(p, items, 2, 1), 1u);
+            co_await submit_items(p, items, 3, 6); // chunk 3 of A, chunks 0, 1 of B
+            p.close();
+            EXPECT_EQ(co_await take_items(p, items, 3, 3), 3u) << "close() sent them";
+            EXPECT_FALSE(co_await p.next(10s));
+        }());
+        if (!graph) {
+            ASSERT_EQ(setup.calls->size(), 4u);
+            const std::size_t first[] = {0, 2, 3, 4};
+            const std::size_t chunks[] = {2, 1, 1, 2};
+            for (std::size_t g = 0; g < 4; ++g) {
+                EXPECT_EQ((*setup.calls)[g].first_chunk, first[g]);
+                EXPECT_EQ((*setup.calls)[g].chunks, chunks[g]);
+            }
+        }
+        EXPECT_EQ(p.stats().gpu_chunks, 6u);
+    }
+}
+
+// acquire() that would wait sends what is held back first: with one slot group, three items
+// submitted and the fourth acquired but not submitted, acquire(0) finds no chunk free and times
+// out, and the three are on the GPU then (next() returns them); the fourth, submitted later, goes
+// alone, and the group serves the producer again once its results were destroyed.
+TEST_F(pipeline_gpu, streaming_in_groups_sends_the_held_run_before_acquire_waits) {
+    grouped_stream_setup setup;
+    pipe_t p(setup.options(1, false), {recording_transform_group_stage{setup.calls}});
+    std::vector<std::vector<u32>> items;
+    for (std::size_t i = 0; i < 8; ++i) {
+        items.push_back(random_words(4096 - 3 * (i == 7), 900 + i));
+    }
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_items(p, items, 0, 3);
+        auto held = co_await p.acquire(); // chunk 3 of the only group
+        EXPECT_THROW((void)co_await p.acquire(0ms), cudawait::timeout_error);
+        EXPECT_EQ(setup.calls->size(), 1u) << "the waiting acquire() sent chunks 0-2";
+        {
+            std::vector<std::optional<pipe_t::result>> results;
+            for (std::size_t k = 0; k < 3; ++k) {
+                results.push_back(co_await p.next(10s));
+                EXPECT_TRUE(results.back() && results.back()->chunk() == k &&
+                            transformed_right(results.back()->data(), items[k]));
+            }
+            std::copy(items[3].begin(), items[3].end(), held.data().begin());
+            p.submit(std::move(held), items[3].size()); // the group's last chunk: sent
+            EXPECT_EQ(setup.calls->size(), 2u);
+            EXPECT_THROW((void)co_await p.acquire(0ms), cudawait::timeout_error)
+                << "the group is held by results";
+        }
+        EXPECT_EQ(co_await take_items(p, items, 3, 1), 1u);
+        co_await submit_items(p, items, 4, 8); // the group again, from its first chunk
+        p.close();
+        EXPECT_EQ(co_await take_items(p, items, 4, 4), 4u);
+        EXPECT_FALSE(co_await p.next(10s));
+    }());
+    ASSERT_EQ(setup.calls->size(), 3u);
+    EXPECT_EQ((*setup.calls)[2].first_chunk, 4u);
+    EXPECT_EQ((*setup.calls)[2].chunks, 4u);
+    EXPECT_EQ((*setup.calls)[2].in_size, 4 * 4096u - 3);
+}
+
+// Runs hold only chunks submitted in the order they were acquired, all full but the last: a
+// short item ends its run, an item submitted out of order or after a dropped one starts a new
+// run; the results come in submission order, each with its own data.
+TEST_F(pipeline_gpu, streaming_in_groups_keeps_ragged_and_out_of_order_items_apart) {
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        grouped_stream_setup setup;
+        pipe_t p(setup.options(3, graph), {recording_transform_group_stage{setup.calls}});
+        std::vector<std::vector<u32>> data;
+        for (std::size_t i = 0; i < 6; ++i) {
+            data.push_back(random_words(i == 1 ? 77 : 4096, 1000 + i));
+        }
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+            std::vector<pipe_t::input_slot> s;
+            for (std::size_t i = 0; i < 6; ++i) {
+                s.push_back(co_await p.acquire()); // group A: 0-3, group B: 4, 5
+                std::copy(data[i].begin(), data[i].end(), s.back().data().begin());
+            }
+            // Submission order: 0, 1 (short: ends the run), 3, 2 (out of order), 5 (4 dropped).
+            const std::size_t order[] = {0, 1, 3, 2, 5};
+            for (std::size_t i : order) {
+                p.submit(std::move(s[i]), data[i].size());
+            }
+            s.clear(); // drops chunk 4 unused
+            p.close();
+            for (std::size_t k = 0; k < 5; ++k) {
+                auto r = co_await p.next(10s);
+                EXPECT_TRUE(r && r->chunk() == k && transformed_right(r->data(), data[order[k]]))
+                    << "result " << k;
+            }
+            EXPECT_FALSE(co_await p.next(10s));
+        }());
+        if (!graph) {
+            // Runs: {0, 1}, {3}, {2}, {5}.
+            ASSERT_EQ(setup.calls->size(), 4u);
+            EXPECT_EQ((*setup.calls)[0].chunks, 2u);
+            EXPECT_EQ((*setup.calls)[0].in_size, 4096u + 77u);
+            for (std::size_t g = 1; g < 4; ++g) {
+                EXPECT_EQ((*setup.calls)[g].chunks, 1u);
+                EXPECT_EQ((*setup.calls)[g].first_chunk, g + 1);
+            }
+        }
+        EXPECT_EQ(p.stats().gpu_chunks, 5u);
+    }
+}
+
+// Ragged items of random sizes through a per-chunk stage (its index restarts per chunk, so a
+// wrong chunk boundary shows), the three-ahead producer of stream_chunks, graph off and on.
+TEST_F(pipeline_gpu, streaming_in_groups_with_ragged_items_is_exact) {
+    std::vector<std::vector<u32>> chunks;
+    std::mt19937 sizes(17);
+    for (std::size_t i = 0; i < 150; ++i) {
+        const bool full = sizes() % 3 != 0;
+        chunks.push_back(random_words(full ? 4096 : 1 + sizes() % 4096, 1100 + i));
+    }
+    for (bool graph : {false, true}) {
+        grouped_stream_setup setup;
+        pipe_t p(setup.options(3, graph), {transform_stage()});
+        cudawait::scheduler sched;
+        const auto seen = cudawait::sync_wait(sched, stream_chunks(p, chunks));
+        ASSERT_EQ(seen.size(), chunks.size());
+        for (std::size_t i = 0; i < seen.size(); ++i) {
+            EXPECT_TRUE(seen[i].right) << "item " << i << (graph ? ", graph" : "");
+        }
+        EXPECT_EQ(p.stats().gpu_chunks, chunks.size());
+        EXPECT_EQ(p.stats().latency.samples, chunks.size());
+    }
+}
+
+// A run whose enqueue keeps failing: each of its chunks goes to the fallback once, in order,
+// when next() reaches it, with one record for the run (chunks = the run's); without a fallback
+// next() throws pipeline_error for each of them and the chunks after them still come.
+TEST_F(pipeline_gpu, streaming_in_groups_hands_each_chunk_of_a_failed_run_to_the_fallback) {
+    std::vector<std::vector<u32>> items;
+    for (std::size_t i = 0; i < 12; ++i) {
+        items.push_back(random_words(4096, 1200 + i));
+    }
+    for (bool with_fallback : {true, false}) {
+        SCOPED_TRACE(with_fallback ? "fallback" : "no fallback");
+        auto failures = std::make_shared<int>(0);
+        std::vector<std::size_t> fallback_calls;
+        std::vector<cudawait::chunk_failure> records;
+        grouped_stream_setup setup;
+        pipeline_options o = setup.options(3, false);
+        o.max_retries = 1;
+        o.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
+        pipe_t::fallback fb;
+        if (with_fallback) {
+            fb = [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                fallback_calls.push_back(c);
+                host_fallback(c, a, b);
+            };
+        }
+        pipe_t p(o, {failing_group_stage{5, failures}}, fb); // the run of chunks 4..7
+        cudawait::scheduler sched;
+        std::vector<int> outcome; // 1 GPU, 2 fallback, 3 pipeline_error, 0 wrong
+        cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+            co_await submit_items(p, items, 0, 12);
+            p.close();
+            for (std::size_t k = 0; k < 12; ++k) {
+                try {
+                    auto r = co_await p.next(10s);
+                    const bool right =
+                        r && r->chunk() == k && transformed_right(r->data(), items[k]);
+                    outcome.push_back(!right ? 0 : r->by_fallback() ? 2 : 1);
+                } catch (const pipeline_error& e) {
+                    outcome.push_back(e.failed() == std::vector<std::size_t>{k} ? 3 : 0);
+                }
+            }
+            EXPECT_FALSE(co_await p.next(10s));
+        }());
+        const int bad = with_fallback ? 2 : 3;
+        EXPECT_EQ(outcome, (std::vector<int>{1, 1, 1, 1, bad, bad, bad, bad, 1, 1, 1, 1}));
+        if (with_fallback) {
+            EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{4, 5, 6, 7}));
+        }
+        EXPECT_EQ(*failures, 2) << "first try and one retry";
+        ASSERT_EQ(records.size(), 2u) << "a retry and one give-up for the run";
+        for (const auto& r : records) {
+            EXPECT_EQ(r.chunk, 4u);
+            EXPECT_EQ(r.chunks, 4u);
+            EXPECT_EQ(r.elements, 4 * 4096u);
+        }
+        const auto st = p.stats();
+        EXPECT_EQ(st.chunks, 12u);
+        EXPECT_EQ(st.gpu_chunks, 8u);
+        EXPECT_EQ(with_fallback ? st.fallback_chunks : st.failed_chunks, 4u);
+        EXPECT_EQ(st.retries, 1u);
+    }
+}
+
+// next(timeout) on a held-back run sends it and, when the time runs out first, keeps the chunk
+// first in line; a chunk_timeout that passes gives the run up: its chunks and those behind it
+// fail, and the slot groups serve the producer again (fresh pinned buffers).
+TEST_F(pipeline_gpu, streaming_in_groups_keeps_timeouts_per_chunk_and_gives_up_runs) {
+    std::vector<std::vector<u32>> items;
+    for (std::size_t i = 0; i < 8; ++i) {
+        items.push_back(random_words(4096, 1300 + i));
+    }
+    grouped_stream_setup setup;
+    pipeline_options o = setup.options(2, false);
+    o.chunk_timeout = 100ms;
+    o.max_retries = 0;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o, {transform_stage(300'000'000)}); // 0.3 s per chunk: past chunk_timeout
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_items(p, items, 0, 6); // runs {0-3} (sent), {4, 5} (held back)
+        EXPECT_THROW((void)co_await p.next(0ms), cudawait::timeout_error) << "a poll";
+        std::vector<std::size_t> failed;
+        for (std::size_t k = 0; k < 6; ++k) {
+            try {
+                (void)co_await p.next();
+            } catch (const pipeline_error& e) {
+                failed.insert(failed.end(), e.failed().begin(), e.failed().end());
+            }
+        }
+        EXPECT_EQ(failed, (std::vector<std::size_t>{0, 1, 2, 3, 4, 5}));
+        // Both slot groups serve the producer again at once.
+        auto a = co_await p.acquire(0ms);
+        p.close();
+        EXPECT_FALSE(co_await p.next(10s));
+    }());
+    const auto st = p.stats();
+    EXPECT_TRUE(st.gpu_abandoned);
+    EXPECT_EQ(st.failed_chunks, 6u);
+}
+
+} // namespace

@@ -124,9 +124,12 @@
 // is paid per chunk, not by the link: a copy call, a launch (~3.4 us of host time), events and a
 // scheduler wait each. With group_bytes set, G = group_bytes / chunk bytes consecutive chunks
 // (at most 256; chunks of group_bytes or more are not grouped) move as one unit: each slot holds
-// G chunks back to back (depth x G chunks of device memory, and of pinned memory for staging),
+// G chunks back to back (depth x G chunks of device memory, and of pinned memory for streaming),
 // and a group takes one H2D copy, one D2H copy, one set of event waits and records and one wait
-// on the host. A group stage (group_context) is called once per group: one launch; a per-chunk
+// on the host. Groups apply to batches over pinned ranges; a batch that stages pageable ranges
+// moves one chunk per flight (its staging rings and workers move chunks; the slots then use
+// their first chunk, and graph mode runs such chunks plainly, the slots' graphs being a
+// group's). A group stage (group_context) is called once per group: one launch; a per-chunk
 // stage is called once per chunk of the group, in order, on the group's stream; in graph mode a
 // full group's copies and launches are one graph per slot (a short last group runs plainly).
 // Per chunk as before: results, stats (chunks, gpu/fallback/failed chunks), latency samples,
@@ -136,8 +139,14 @@
 // alert window and the trace and timeline ranges (named by the group's first chunk).
 // pipeline_options::default_group_bytes (4 MiB) suits 64 KiB .. 1 MiB chunks; grouping is
 // opt-in because it multiplies each slot's memory by G and changes the unit of slot reuse,
-// retries and records. Streaming is not grouped: each submitted item is its own flight (in a
-// grouped pipeline it uses the first chunk of its slot's buffers).
+// retries and records. Streaming in a grouped pipeline: acquire() hands out the chunks of a
+// slot group in order, and submit() holds chunks back until a run of consecutive full chunks
+// (the last may be short) can go as one flight: when the group is used up, a chunk is short or
+// cannot join the run, next() needs the run's first chunk, close() is called, or acquire() is
+// about to wait. Results, order, next()/acquire() timeouts, the fallback and stats' chunk
+// counts stay per chunk; the wait, chunk_timeout, retries and records are the run's; a slot
+// group serves the producer again once all of its chunks were given back; queue_capacity
+// counts groups (detail/pipeline_stream.hpp).
 //
 // How a chunk flows (batch), file by file:
 //   1. pipeline.hpp                  run() checks the ranges and classifies their memory
@@ -152,8 +161,9 @@
 //                                    finish() starts the stage-out of pageable output on the
 //                                    stage-out workers (detail/pipeline_staging.hpp).
 //   5. detail/pipeline_monitor.hpp   the chunk's bytes and stage times go into stats() and alerts.
-// Streaming takes the same path through detail/pipeline_stream.hpp (submit() enqueues, next()
-// awaits), with the slot's pinned buffers as the producer's input and the consumer's output.
+// Streaming takes the same path through detail/pipeline_stream.hpp (submit() enqueues, or in a
+// grouped pipeline holds the chunk back for its run; next() awaits), with the slot's pinned
+// buffers as the producer's input and the consumer's output.
 // The value types (options, stats, alert, chunk_failure, pipeline_error) are in
 // pipeline_options.hpp; detail/link_peak.hpp measures the link's peak.
 
@@ -201,7 +211,8 @@ public:
     using fallback = typename core::fallback;
     /// A slot the producer fills before submit(); given back unused if dropped.
     using input_slot = detail::pipeline_input_slot<In, Out>;
-    /// A chunk's output, in submission order; the slot is reused once this is destroyed.
+    /// A chunk's output, in submission order; the slot is reused once this is destroyed (in a
+    /// grouped pipeline, once every chunk of its slot group was given back).
     using result = detail::pipeline_result<In, Out>;
 
     /// @throws usage_error for a zero chunk size, depth, stream count or no stages, several
@@ -269,7 +280,8 @@ public:
         return m_stream.acquire(deadline, time_left(deadline));
     }
 
-    /// Starts the slot's chunk of `count` elements (at most chunk_elements) on the GPU.
+    /// Starts the slot's chunk of `count` elements (at most chunk_elements) on the GPU; in a
+    /// grouped pipeline it may be held back to go with the next chunks (see the synopsis).
     /// @throws usage_error for an empty slot, a bad count, or after close() (the slot is then
     ///         still the caller's); cuda_error
     void submit(input_slot&& s, std::size_t count) { m_stream.submit(std::move(s), count); }

@@ -246,7 +246,8 @@ struct pipeline_options {
     std::function<void(const chunk_failure&)> on_degrade;
     /// Streaming: chunks submitted and not yet taken by next() (one that next() is waiting
     /// for counts until it is taken; a producer waits in acquire() while the queue is full); 0
-    /// means (2 copy streams + compute streams) x 2.
+    /// means (2 copy streams + compute streams) x 2. With chunk groups it counts groups: the
+    /// queue holds up to queue_capacity x G chunks.
     std::size_t queue_capacity = 0;
     /// Staging buffers come from here; nullptr: default_pinned_pool().
     pinned_pool* pool = nullptr;

@@ -192,7 +192,7 @@ struct pipeline_slot {
     device_buffer<Out> dev_mid;              // chained stages: the outputs alternate with dev_out
     device_buffer<std::byte> scratch_memory; // scratch, with room to align its start
     std::span<std::byte> scratch;            // the stages' scratch (aligned) in it
-    pinned_buffer<In> host_in;               // staging, streaming and graph placeholders only
+    pinned_buffer<In> host_in;               // streaming only (a batch stages through its rings)
     pinned_buffer<Out> host_out;
     event h2d_done;
     event compute_done;
@@ -210,7 +210,8 @@ template <class In, class Out>
 struct pipeline_flight {
     std::size_t chunk = 0;
     std::size_t chunks = 1;
-    std::size_t offset = 0; // input elements
+    std::size_t position = 0; // its first chunk's place in the slot (streaming; a batch: 0)
+    std::size_t offset = 0;   // input elements
     std::size_t count = 0;
     std::size_t output_count = 0;
     std::size_t slot = 0;
@@ -321,8 +322,8 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::h2d_start].record(h2d);
             }
-            enqueue_in_pieces(sl.dev_in.data(), src, f.count * sizeof(In), options.copy_piece_bytes,
-                              cudaMemcpyHostToDevice, h2d.get());
+            enqueue_in_pieces(device_in(f, sl), src, f.count * sizeof(In),
+                              options.copy_piece_bytes, cudaMemcpyHostToDevice, h2d.get());
             if (f.timed) {
                 (*t)[m::h2d_end].record(h2d);
             }
@@ -349,7 +350,7 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::d2h_start].record(d2h);
             }
-            enqueue_in_pieces(dst, sl.dev_out.data(), f.output_count * sizeof(Out),
+            enqueue_in_pieces(dst, device_out(f, sl), f.output_count * sizeof(Out),
                               options.copy_piece_bytes, cudaMemcpyDeviceToHost, d2h.get());
             if (f.timed) {
                 (*t)[m::d2h_end].record(d2h);
@@ -359,9 +360,18 @@ struct pipeline_core {
         }
     }
 
-    /// True when `f` runs as its slot's graph: graph mode and a full group (a full chunk).
+    /// f's device input and output: from chunk f.position of its slot's buffers.
+    [[nodiscard]] In* device_in(const flight& f, const slot& sl) const {
+        return sl.dev_in.data() + f.position * options.chunk_elements;
+    }
+    [[nodiscard]] Out* device_out(const flight& f, const slot& sl) const {
+        return sl.dev_out.data() + f.position * options.output_elements;
+    }
+
+    /// True when `f` runs as its slot's graph: graph mode and a full group (a full chunk) from
+    /// the slot's first chunk on.
     [[nodiscard]] bool replays(const flight& f) const noexcept {
-        return options.graph && f.chunks == group_chunks &&
+        return options.graph && f.position == 0 && f.chunks == group_chunks &&
                f.count == group_chunks * options.chunk_elements;
     }
 
@@ -420,8 +430,8 @@ struct pipeline_core {
         }
         c.host_in = f.host_in;
         c.host_out = f.host_out;
-        c.device_in = sl.dev_in.data();
-        c.device_out = sl.dev_out.data();
+        c.device_in = device_in(f, sl);
+        c.device_out = device_out(f, sl);
         c.level = level;
         c.action = action;
         c.error = error;
@@ -574,8 +584,8 @@ private:
     stream_ref launch_stages(const flight& f, slot& sl, stream_ref first, bool own_streams,
                              bool plain) {
         const std::size_t n = stages.size();
-        std::span<In> din(sl.dev_in.data(), f.count);
-        std::span<Out> dout(sl.dev_out.data(), f.output_count);
+        std::span<In> din(device_in(f, sl), f.count);
+        std::span<Out> dout(device_out(f, sl), f.output_count);
         // A group's chunks lie back to back: chunk j at j x chunk_elements in dev_in, at j x
         // output_elements in the outputs (a later stage's input is the previous one's output).
         group_context ctx{.stream = first,
@@ -597,12 +607,10 @@ private:
                     tail = ctx.stream;
                 }
                 if (k == 0) {
-                    stages[0].run_group(din, n == 1 ? dout : stage_output(sl, 0, f.output_count),
-                                        ctx);
+                    stages[0].run_group(din, n == 1 ? dout : stage_output(f, sl, 0), ctx);
                 } else if constexpr (std::is_same_v<In, Out>) { // several stages need it
                     ctx.in_stride = options.output_elements;
-                    stages[k].run_group(stage_output(sl, k - 1, f.output_count),
-                                        stage_output(sl, k, f.output_count), ctx);
+                    stages[k].run_group(stage_output(f, sl, k - 1), stage_output(f, sl, k), ctx);
                 }
                 if (plain) {
                     check(cudaGetLastError(), "pipeline stage launch");
@@ -624,10 +632,11 @@ private:
 
     // Where stage k of n writes (when there are several): dev_out for the last stage, and
     // alternately dev_mid and dev_out before it.
-    std::span<Out> stage_output(slot& sl, std::size_t k, std::size_t out_count) const {
+    // A flight at position p of its slot uses the outputs from chunk p on.
+    std::span<Out> stage_output(const flight& f, slot& sl, std::size_t k) const {
         const std::size_t n = stages.size();
         Out* p = (n - 1 - k) % 2 == 0 ? sl.dev_out.data() : sl.dev_mid.data();
-        return std::span<Out>(p, out_count);
+        return std::span<Out>(p + f.position * options.output_elements, f.output_count);
     }
 
     // The slot's graph is built with the first full chunk's host pointers; later chunks set

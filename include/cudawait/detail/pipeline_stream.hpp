@@ -12,6 +12,33 @@
 // itself: a chunk's H2D (or graph replay) waits for the chunk `depth` submissions before it, so
 // a producer that holds several slots never blocks on a lowered depth. recover_after clean
 // chunks raise it again by one.
+//
+// Chunk groups (options.group_bytes, G chunks per slot group). A slot group holds G chunks, and
+// acquire() hands them out in order, one input_slot per chunk: the producer fills chunk j of the
+// group at j x chunk_elements of its pinned input, so that consecutive submissions are
+// contiguous. submit() does not enqueue at once: it holds the chunk back in a run (one flight
+// once sent) of chunks submitted one after the other into consecutive chunks of one slot group,
+// all full but the last (a group stage's layout: group_context). The run goes to the GPU as one
+// flight (one H2D, the stages once per run or per chunk, one D2H, one event; a full group
+// replays the slot's graph) when
+//   - it reaches the end of its slot group, or its chunk is short (nothing may follow it),
+//   - a chunk is submitted that cannot join it (another slot group, a chunk skipped because
+//     its input_slot was dropped, submissions out of the order of acquisition),
+//   - next() needs its first chunk, close() is called, or acquire() is about to wait (the
+//     producer would otherwise wait for chunks that are not on the GPU).
+// Chunks acquired but not submitted are not part of any run; a run only ever holds submitted
+// chunks, so an input_slot the producer keeps (or drops) never delays another's. What stays per
+// chunk: submission order and indices, next() and its timeouts (the wait is the run's: a
+// chunk's next() waits for its run, and the run's later chunks are then ready), results,
+// latency (from submit(), so it includes the time held back), stats' chunk counts, the
+// fallback (each chunk of a failed run once, in order, when next() reaches it) and
+// pipeline_error. What is per run: the enqueue and its retries, chunk_timeout and its retries,
+// the degradation record (chunk_failure::chunks), the bytes and times of stats(), the trace
+// ranges. A slot group goes back to the producer once all of its chunks were given back (results
+// destroyed, input_slots dropped, chunks failed); the one acquire() hands out from stays with
+// it until it is used up or close() is called. queue_capacity counts slot groups: the queue
+// holds up to queue_capacity x G chunks. Without groups (G = 1) every chunk is its own run and
+// is enqueued by submit(), as before.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
@@ -30,10 +57,13 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace cudawait::detail {
 
@@ -41,18 +71,20 @@ template <class In, class Out>
 class pipeline_stream;
 
 /// pipeline<In, Out>::input_slot: a slot the producer fills before submit(); given back unused
-/// if dropped.
+/// if dropped. In a grouped pipeline it is one chunk of a slot group.
 template <class In, class Out>
 class pipeline_input_slot {
 public:
     pipeline_input_slot() = default;
     pipeline_input_slot(pipeline_input_slot&& o) noexcept
-        : m_owner(std::exchange(o.m_owner, nullptr)), m_index(o.m_index) {}
+        : m_owner(std::exchange(o.m_owner, nullptr)), m_index(o.m_index), m_position(o.m_position) {
+    }
     pipeline_input_slot& operator=(pipeline_input_slot&& o) noexcept {
         if (this != &o) {
             reset();
             m_owner = std::exchange(o.m_owner, nullptr);
             m_index = o.m_index;
+            m_position = o.m_position;
         }
         return *this;
     }
@@ -63,37 +95,39 @@ public:
         if (m_owner == nullptr) {
             throw usage_error("pipeline::input_slot: empty or already submitted");
         }
-        return m_owner->input_of(m_index);
+        return m_owner->input_of(m_index, m_position);
     }
 
 private:
     friend class pipeline_stream<In, Out>;
-    pipeline_input_slot(pipeline_stream<In, Out>* p, std::size_t i) : m_owner(p), m_index(i) {}
+    pipeline_input_slot(pipeline_stream<In, Out>* p, std::size_t i, std::size_t position)
+        : m_owner(p), m_index(i), m_position(position) {}
     void reset() noexcept {
         if (m_owner != nullptr) {
-            std::exchange(m_owner, nullptr)->give_back(m_index);
+            std::exchange(m_owner, nullptr)->release(m_index);
         }
     }
     pipeline_stream<In, Out>* m_owner = nullptr;
     std::size_t m_index = 0;
+    std::size_t m_position = 0; // chunk of the slot group
 };
 
 /// pipeline<In, Out>::result: a chunk's output, in submission order; the slot is reused once
-/// this is destroyed.
+/// this is destroyed (in a grouped pipeline: once every chunk of its slot group is).
 template <class In, class Out>
 class pipeline_result {
 public:
     pipeline_result(pipeline_result&& o) noexcept
-        : m_owner(std::exchange(o.m_owner, nullptr)), m_index(o.m_index), m_chunk(o.m_chunk),
-          m_count(o.m_count), m_by_fallback(o.m_by_fallback) {}
+        : m_owner(std::exchange(o.m_owner, nullptr)), m_index(o.m_index), m_position(o.m_position),
+          m_chunk(o.m_chunk), m_count(o.m_count), m_by_fallback(o.m_by_fallback) {}
     pipeline_result& operator=(pipeline_result&&) = delete;
     ~pipeline_result() {
         if (m_owner != nullptr) {
-            m_owner->give_back(m_index);
+            m_owner->release(m_index);
         }
     }
     [[nodiscard]] std::span<const Out> data() const {
-        return m_owner->slot_of(m_index).host_out.span().first(m_count);
+        return m_owner->output_of(m_index, m_position, m_count);
     }
     /// Submission index.
     [[nodiscard]] std::size_t chunk() const noexcept { return m_chunk; }
@@ -102,11 +136,13 @@ public:
 
 private:
     friend class pipeline_stream<In, Out>;
-    pipeline_result(pipeline_stream<In, Out>* p, std::size_t i, std::size_t chunk, std::size_t n,
-                    bool fb)
-        : m_owner(p), m_index(i), m_chunk(chunk), m_count(n), m_by_fallback(fb) {}
+    pipeline_result(pipeline_stream<In, Out>* p, std::size_t i, std::size_t position,
+                    std::size_t chunk, std::size_t n, bool fb)
+        : m_owner(p), m_index(i), m_position(position), m_chunk(chunk), m_count(n),
+          m_by_fallback(fb) {}
     pipeline_stream<In, Out>* m_owner;
     std::size_t m_index;
+    std::size_t m_position;
     std::size_t m_chunk;
     std::size_t m_count;
     bool m_by_fallback;
@@ -122,7 +158,8 @@ public:
     using input_slot = pipeline_input_slot<In, Out>;
     using result = pipeline_result<In, Out>;
 
-    explicit pipeline_stream(core& c) noexcept : m_core(c) {}
+    explicit pipeline_stream(core& c)
+        : m_core(c), m_held(c.slots.size(), 0), m_tainted(c.slots.size(), false) {}
     pipeline_stream(const pipeline_stream&) = delete;
     pipeline_stream& operator=(const pipeline_stream&) = delete;
     /// The streams must have been synchronised (pipeline_core::synchronize) before the queued
@@ -132,7 +169,8 @@ public:
     using clock = std::chrono::steady_clock;
 
     /// See pipeline::acquire. With a deadline: timeout_error(budget) once it passed (a deadline
-    /// already passed polls: a slot free now, else the error), and no slot is taken.
+    /// already passed polls: a slot free now, else the error), and no slot is taken. Before it
+    /// waits, the chunks held back go to the GPU (flush).
     [[nodiscard]] task<input_slot> acquire(std::optional<clock::time_point> deadline = {},
                                            std::chrono::nanoseconds budget = {}) {
         core& k = m_core;
@@ -147,9 +185,13 @@ public:
                 throw usage_error("pipeline::acquire: the pipeline is closed; a new streaming "
                                   "session may begin once next() has returned the end");
             }
-            if (!k.free_slots.empty() && m_submitted.size() + m_taken < k.options.queue_capacity) {
+            const bool position = m_open != npos || !k.free_slots.empty();
+            if (position && m_items.size() + m_taken < capacity()) {
                 break;
             }
+            // What is held back must not wait for the producer: the consumer frees slots and
+            // room only once the GPU has done it.
+            flush();
             if (!deadline) {
                 co_await m_slot_freed.wait(sched);
             } else if (clock::now() >= *deadline) {
@@ -158,18 +200,29 @@ public:
                 co_await m_slot_freed.wait_until(sched, *deadline);
             }
         }
-        std::size_t i = k.free_slots.front();
-        k.free_slots.pop_front();
-        try {
-            k.slots[i]->ensure_host_buffers(k.options, *k.pool);
-        } catch (...) {
-            give_back(i);
-            throw;
+        if (m_open == npos) {
+            std::size_t i = k.free_slots.front();
+            k.free_slots.pop_front();
+            try {
+                k.slots[i]->ensure_host_buffers(k.options, *k.pool);
+            } catch (...) {
+                k.free_slots.push_front(i);
+                throw;
+            }
+            m_open = i;
+            m_cursor = 0;
         }
-        co_return input_slot(this, i);
+        const std::size_t i = m_open;
+        const std::size_t position = m_cursor++;
+        ++m_held[i];
+        if (m_cursor == k.group_chunks) {
+            m_open = npos; // every chunk of the group handed out
+        }
+        co_return input_slot(this, i, position);
     }
 
-    /// See pipeline::submit.
+    /// See pipeline::submit. In a grouped pipeline the chunk is held back to go with the ones
+    /// submitted after it (see the top of this file).
     void submit(input_slot&& s, std::size_t count) {
         core& k = m_core;
         if (s.m_owner != this) {
@@ -181,49 +234,42 @@ public:
         if (m_closed || !k.session_open) {
             throw usage_error("pipeline::submit: the slot's streaming session is closed");
         }
-        std::size_t i = s.m_index;
         s.m_owner = nullptr;
-        slot& sl = *k.slots[i];
-        flight f;
-        f.chunk = m_stream_seq++;
-        f.count = count;
-        f.output_count = k.output_count(count);
-        f.slot = i;
-        f.host_in = sl.host_in.data();
-        f.host_out = sl.host_out.data();
-        f.started = std::chrono::steady_clock::now();
-        k.start_flight(f);
-        // After the GPU was given up nothing is enqueued: next() hands the chunk to the fallback.
-        for (unsigned attempt = 0; !k.gpu_abandoned; ++attempt) {
-            chunk_error error;
-            try {
-                throttle(sl);
-                k.enqueue(f, sl.host_in.data(), sl.host_out.data());
-                break;
-            } catch (const cuda_error& e) {
-                error = chunk_error_of(e);
-            }
-            if (error.sticky || attempt >= k.options.max_retries) {
-                // The chunk is still delivered in order: next() runs the fallback (or reports it).
-                f.error = std::move(error);
-                break;
-            }
-            // Level 1: retried at once with one slot fewer. What did launch before the error is
-            // ordered before the retry by the slot's events, as for any reuse of the slot.
-            ++k.monitor.counters().retries;
-            m_core.lower_depth();
-            try {
-                k.report_degradation(f, degrade_level::retry,
-                                     degrade_action::retried_with_less_depth, error);
-            } catch (...) {
-                f.error = std::move(error); // next() still reports the chunk, in order
-                m_submitted.push_back(std::move(f));
-                m_result_ready.notify_all();
-                throw;
-            }
+        item it;
+        it.seq = m_stream_seq++;
+        it.slot = s.m_index;
+        it.position = s.m_position;
+        it.count = count;
+        it.output_count = k.output_count(count);
+        it.started = clock::now();
+        // The run held back goes first when this chunk cannot join it.
+        std::shared_ptr<stream_flight> before;
+        if (m_pending && !joins(*m_pending, it)) {
+            before = std::exchange(m_pending, nullptr);
         }
-        m_submitted.push_back(std::move(f));
+        if (!m_pending) {
+            m_pending = std::make_shared<stream_flight>();
+            flight& f = m_pending->f;
+            f.chunk = it.seq;
+            f.chunks = 0;
+            f.slot = it.slot;
+            f.position = it.position;
+        }
+        flight& f = m_pending->f;
+        ++f.chunks;
+        f.count += it.count;
+        f.output_count += it.output_count;
+        m_pending->last_full = count == k.options.chunk_elements;
+        it.flight = m_pending;
+        m_items.push_back(std::move(it));
+        const bool ends_group = f.position + f.chunks == k.group_chunks || !m_pending->last_full;
         m_result_ready.notify_all();
+        if (before) {
+            send(std::move(before)); // throws only what on_degrade throws, all queued by then
+        }
+        if (ends_group) {
+            flush();
+        }
     }
 
     /// See pipeline::next. With a deadline: timeout_error(budget) once it passed (a deadline
@@ -235,7 +281,7 @@ public:
         pipeline_stats& stats = k.monitor.counters();
         scheduler& sched = *co_await this_scheduler_ptr();
         const std::size_t session = m_sessions_ended;
-        while (m_submitted.empty()) {
+        while (m_items.empty()) {
             if (m_closed) {
                 end_session();
                 co_return std::nullopt;
@@ -251,8 +297,11 @@ public:
                 co_return std::nullopt; // another consumer took the end of this one's session
             }
         }
-        flight f = std::move(m_submitted.front());
-        m_submitted.pop_front();
+        if (!m_items.front().flight->sent) {
+            flush(); // the chunk is held back: its run goes now
+        }
+        item it = std::move(m_items.front());
+        m_items.pop_front();
         // Until it is consumed (or put back in line after the caller's timeout) the chunk keeps
         // its place in the queue: a producer may not fill it meanwhile.
         ++m_taken;
@@ -263,103 +312,220 @@ public:
                 self->m_slot_freed.notify_all(); // the queue has room again
             }
         } taken{this};
-        chunk_error error = std::move(f.error);
-        if (!error.failed() && !k.gpu_abandoned) {
-            trace_async_range r("wait", f.chunk);
-            timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
+        stream_flight& sf = *it.flight;
+        chunk_error error = sf.f.error;
+        if (sf.landed) {
+            // An earlier chunk of the run saw it complete.
+        } else if (!error.failed() && !k.gpu_abandoned) {
+            trace_async_range r("wait", sf.f.chunk);
+            timeline_scope span(k.options.timeline, "wait", "wait", sf.f.chunk);
             for (;;) {
-                wait_outcome w = co_await wait_for(f, deadline);
+                wait_outcome w = co_await wait_for(sf.f, deadline);
+                if (sf.landed) {
+                    break; // another consumer saw the run complete meanwhile
+                }
                 if (w.error.failed()) {
                     error = std::move(w.error);
+                    sf.f.error = error; // the run's other chunks fail with it
                     break;
                 }
                 if (!w.timed_out) {
+                    sf.landed = true;
+                    try {
+                        k.chunk_done(sf.f);
+                    } catch (...) {
+                        release(it.slot);
+                        throw;
+                    }
                     break;
                 }
                 if (w.by_caller) {
                     // Not consumed: the chunk stays first in line, its slot and event with it.
-                    m_submitted.push_front(std::move(f));
+                    m_items.push_front(std::move(it));
                     throw timeout_error(budget);
                 }
                 error.timed_out = true;
                 error.exception = std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
                 error.what = "chunk did not complete within chunk_timeout";
-                if (++m_front_attempts > k.options.max_retries) {
-                    give_up_timed_out(f, error); // throws
+                if (++sf.waits > k.options.max_retries) {
+                    give_up_timed_out(it, error); // throws
                 }
                 // Level 1: the work cannot be cancelled; it is waited for again, with less
                 // concurrency for the chunks that follow.
                 ++stats.retries;
                 m_core.lower_depth();
-                k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);
+                k.report_degradation(sf.f, degrade_level::retry, degrade_action::waited_again,
+                                     error);
                 error = {};
             }
         } else if (error.timed_out) {
-            give_up_timed_out(f, error); // in flight behind a chunk given up: throws
+            give_up_timed_out(it, error); // in flight behind a chunk given up: throws
         } else if (k.gpu_abandoned && !error.failed()) {
             error.what = "the GPU was abandoned after an earlier error";
         }
-        const bool clean = m_front_attempts == 0;
-        m_front_attempts = 0;
-        slot& sl = *k.slots[f.slot];
         if (!error.failed()) {
-            k.chunk_done(f);
             ++stats.gpu_chunks;
             ++stats.chunks;
-            if (clean) {
+            if (sf.waits == 0) {
                 m_core.note_clean();
             }
-            record_latency(f);
-            co_return result(this, f.slot, f.chunk, f.output_count, false);
+            record_latency(it);
+            co_return result(this, it.slot, it.position, it.seq, it.output_count, false);
         }
         if (error.sticky) {
             k.gpu_abandoned = true;
         }
-        k.report_degradation(f, degrade_level::give_up,
-                             k.on_gpu_failure ? degrade_action::fallback : degrade_action::failed,
-                             error);
         ++stats.chunks;
-        if (!k.on_gpu_failure) {
-            ++stats.failed_chunks;
-            write_failure_report(k);
-            give_back(f.slot);
-            throw pipeline_error("pipeline: chunk " + std::to_string(f.chunk) +
-                                     " failed: " + error.what,
-                                 {}, {f.chunk});
-        }
         try {
-            trace_range r("fallback", f.chunk);
-            timeline_scope span(k.options.timeline, "fallback", "fallback", f.chunk);
-            k.on_gpu_failure(f.chunk, std::span<const In>(sl.host_in.data(), f.count),
-                             sl.host_out.span().first(f.output_count));
+            if (!std::exchange(sf.reported, true)) {
+                // One record per run (a group), as in a batch.
+                k.report_degradation(
+                    sf.f, degrade_level::give_up,
+                    k.on_gpu_failure ? degrade_action::fallback : degrade_action::failed, error);
+            }
+            if (!k.on_gpu_failure) {
+                throw pipeline_error("pipeline: chunk " + std::to_string(it.seq) +
+                                         " failed: " + error.what,
+                                     {}, {it.seq});
+            }
+            trace_range r("fallback", it.seq);
+            timeline_scope span(k.options.timeline, "fallback", "fallback", it.seq);
+            k.on_gpu_failure(it.seq, input_of(it.slot, it.position).first(it.count),
+                             output_of(it.slot, it.position, it.output_count));
         } catch (...) {
             ++stats.failed_chunks;
             write_failure_report(k);
-            give_back(f.slot);
+            release(it.slot);
             throw;
         }
         ++stats.fallback_chunks;
-        record_latency(f);
+        record_latency(it);
         write_failure_report(k);
-        co_return result(this, f.slot, f.chunk, f.output_count, true);
+        co_return result(this, it.slot, it.position, it.seq, it.output_count, true);
     }
 
-    /// See pipeline::close.
+    /// See pipeline::close. The chunks held back go to the GPU.
     void close() {
         m_closed = true;
+        if (m_open != npos) {
+            const std::size_t i = std::exchange(m_open, npos);
+            if (m_held[i] == 0) {
+                recycle(i);
+            }
+        }
         m_result_ready.notify_all();
         m_slot_freed.notify_all();
+        flush();
     }
 
 private:
     friend class pipeline_input_slot<In, Out>;
     friend class pipeline_result<In, Out>;
 
+    static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+    // A run of chunks submitted one after the other into consecutive chunks of one slot group,
+    // all full but the last: one flight once sent (f.chunk its first submission index).
+    struct stream_flight {
+        flight f;
+        bool sent = false;     ///< enqueued (or, with the GPU given up, handed to next())
+        bool landed = false;   ///< seen complete by next()
+        bool reported = false; ///< its give-up was reported (one record per run)
+        bool last_full = true; ///< its last chunk is full, so another may join
+        unsigned waits = 0;    ///< chunk_timeout retries of its wait
+    };
+
+    // A submitted chunk, in submission order.
+    struct item {
+        std::size_t seq = 0;      ///< submission index
+        std::size_t slot = 0;     ///< slot group
+        std::size_t position = 0; ///< chunk of the slot group
+        std::size_t count = 0;
+        std::size_t output_count = 0;
+        clock::time_point started{}; ///< submitted (its latency runs from here)
+        std::shared_ptr<stream_flight> flight;
+    };
+
     struct wait_outcome {
         bool timed_out = false; ///< not complete (yet)
         bool by_caller = false; ///< the caller's deadline passed, not chunk_timeout
         chunk_error error;      ///< a CUDA error seen while waiting
     };
+
+    // Chunks submitted and not taken: queue_capacity groups' worth.
+    [[nodiscard]] std::size_t capacity() const noexcept {
+        return m_core.options.queue_capacity * m_core.group_chunks;
+    }
+
+    // `it` extends the run: the next chunk of the same slot group, after a full one.
+    [[nodiscard]] static bool joins(const stream_flight& run, const item& it) noexcept {
+        return run.last_full && run.f.slot == it.slot &&
+               run.f.position + run.f.chunks == it.position;
+    }
+
+    // The run held back goes to the GPU.
+    void flush() {
+        if (m_pending) {
+            send(std::exchange(m_pending, nullptr));
+        }
+    }
+
+    // Enqueues run `p` as one flight: H2D of its chunks, the stages, D2H (pipeline_core), with
+    // the level-1 retries of a failed enqueue. A run that cannot be enqueued keeps the error in
+    // f.error: next() hands its chunks to the fallback (or reports them), in order. Everything
+    // is in place before this throws (only what on_degrade throws).
+    void send(std::shared_ptr<stream_flight> p) {
+        core& k = m_core;
+        stream_flight& sf = *p;
+        sf.sent = true;
+        flight& f = sf.f;
+        slot& sl = *k.slots[f.slot];
+        const In* src = sl.host_in.data() + f.position * k.options.chunk_elements;
+        Out* dst = sl.host_out.data() + f.position * k.options.output_elements;
+        f.host_in = src;
+        f.host_out = dst;
+        // After the GPU was given up nothing is enqueued: next() hands the chunks to the fallback.
+        if (k.gpu_abandoned) {
+            return;
+        }
+        try {
+            k.start_flight(f);
+        } catch (const cuda_error& e) {
+            f.error = chunk_error_of(e);
+            return;
+        }
+        for (unsigned attempt = 0; !k.gpu_abandoned; ++attempt) {
+            chunk_error error;
+            try {
+                throttle(sl);
+                k.enqueue(f, src, dst);
+                break;
+            } catch (const cuda_error& e) {
+                error = chunk_error_of(e);
+            }
+            if (error.sticky || attempt >= k.options.max_retries) {
+                f.error = std::move(error);
+                break;
+            }
+            // Level 1: retried at once with one slot fewer. What did launch before the error is
+            // ordered before the retry by the slot's events, as for any reuse of the slot.
+            ++k.monitor.counters().retries;
+            m_core.lower_depth();
+            try {
+                k.report_degradation(f, degrade_level::retry,
+                                     degrade_action::retried_with_less_depth, error);
+            } catch (...) {
+                f.error = std::move(error); // next() still reports the chunks, in order
+                throw;
+            }
+        }
+        if (!f.error.failed()) { // on the GPU: a later run may wait for it (throttle)
+            m_recent.push_back(std::move(p));
+            if (m_recent.size() > k.options.depth) {
+                m_recent.pop_front();
+            }
+        }
+    }
 
     // Waits for f's completion until the caller's deadline or chunk_timeout, whichever is first.
     task<wait_outcome> wait_for(flight& f, std::optional<clock::time_point> deadline) {
@@ -389,64 +555,89 @@ private:
         co_return w;
     }
 
-    // The GPU may still write f's slot (and the chunks' behind it): they are reported failed,
-    // their events and slots stay out of use, and the GPU is not used again (as in a batch).
-    [[noreturn]] void give_up_timed_out(flight& f, const chunk_error& error) {
+    // The GPU may still write the run's chunks (and those of the runs behind it): they are
+    // reported failed, the event stays out of use, and the GPU is not used again (as in a batch).
+    [[noreturn]] void give_up_timed_out(item& it, const chunk_error& error) {
         core& k = m_core;
         pipeline_stats& stats = k.monitor.counters();
+        stream_flight& sf = *it.flight;
         k.gpu_abandoned = true;
-        m_front_attempts = 0;
-        for (flight& g : m_submitted) {
-            if (!g.error.failed()) {
-                g.error.timed_out = true;
-                g.error.what = "in flight behind chunk " + std::to_string(f.chunk) +
-                               ", which did not complete within chunk_timeout";
+        if (!sf.f.error.failed()) {
+            sf.f.error = error; // the run's later chunks fail with it
+        }
+        for (item& g : m_items) {
+            stream_flight& h = *g.flight;
+            if (h.sent && !h.landed && !h.f.error.failed()) {
+                h.f.error.timed_out = true;
+                h.f.error.what = "in flight behind chunk " + std::to_string(it.seq) +
+                                 ", which did not complete within chunk_timeout";
             }
         }
         ++stats.chunks;
         ++stats.failed_chunks;
-        flight lost = std::move(f);
-        k.abandoned_events.push_back(std::move(lost.done));
-        // The GPU may still write the slot's pinned buffers: they are kept until the pipeline
-        // goes (after its streams were synchronised), and the slot, whose device side is never
-        // used again, gets fresh ones on its next acquire. So a producer never waits for a slot
-        // that a hung chunk holds.
-        slot& sl = *k.slots[lost.slot];
-        k.abandon_host_buffers(sl);
-        give_back(lost.slot);
-        k.report_degradation(lost, degrade_level::give_up, degrade_action::failed_timed_out, error);
-        throw pipeline_error("pipeline: chunk " + std::to_string(lost.chunk) +
-                                 " failed: " + error.what,
-                             {}, {lost.chunk});
+        if (sf.f.done) {
+            k.abandoned_events.push_back(std::move(sf.f.done));
+        }
+        // The GPU may still write the slot group's pinned buffers: once its chunks are all
+        // given back they move to the abandoned ones (kept until the pipeline goes, after its
+        // streams were synchronised), and the slot gets fresh ones on its next use. So a
+        // producer never waits for a slot that a hung chunk holds.
+        m_tainted[it.slot] = true;
+        release(it.slot);
+        if (!std::exchange(sf.reported, true)) {
+            k.report_degradation(sf.f, degrade_level::give_up, degrade_action::failed_timed_out,
+                                 error);
+        }
+        throw pipeline_error("pipeline: chunk " + std::to_string(it.seq) + " failed: " + error.what,
+                             {}, {it.seq});
     }
 
-    // With a lowered depth, the chunk on `sl` starts on the GPU only once the chunk `depth`
-    // submissions before it completed (a chunk already taken by next() has).
+    // With a lowered depth, a run starts on the GPU only once the run `depth` flights before it
+    // completed.
     void throttle(slot& sl) {
         core& k = m_core;
         const std::size_t d = k.active_depth;
-        if (d >= k.options.depth || m_submitted.size() < d) {
+        if (d >= k.options.depth || m_recent.size() < d) {
             return;
         }
-        cudaEvent_t before = m_submitted[m_submitted.size() - d].done.get();
-        k.h2d.wait(before);
-        sl.graph_stream.wait(before);
+        const flight& before = m_recent[m_recent.size() - d]->f;
+        if (!before.done) {
+            return; // given up: its event is out of use
+        }
+        k.h2d.wait(before.done.get());
+        sl.graph_stream.wait(before.done.get());
     }
 
     [[nodiscard]] slot& slot_of(std::size_t i) const { return *m_core.slots[i]; }
-    // Slot i's input as the producer fills it: one chunk (a grouped pipeline's slot holds a
-    // group; a streamed item uses its first chunk).
-    [[nodiscard]] std::span<In> input_of(std::size_t i) const {
-        return slot_of(i).host_in.span().first(m_core.options.chunk_elements);
+    // Chunk `position` of slot group i's input, as the producer fills it.
+    [[nodiscard]] std::span<In> input_of(std::size_t i, std::size_t position) const {
+        const std::size_t n = m_core.options.chunk_elements;
+        return slot_of(i).host_in.span().subspan(position * n, n);
+    }
+    // Chunk `position` of slot group i's output: its first `count` elements.
+    [[nodiscard]] std::span<Out> output_of(std::size_t i, std::size_t position,
+                                           std::size_t count) const {
+        return slot_of(i).host_out.span().subspan(position * m_core.options.output_elements, count);
     }
 
-    // Chunk f is delivered: its latency runs from its submission.
-    void record_latency(const flight& f) {
+    // Chunk `it` is delivered: its latency runs from its submission.
+    void record_latency(const item& it) {
         m_core.monitor.chunk_latency(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - f.started).count());
+            std::chrono::duration<double>(clock::now() - it.started).count());
     }
 
-    void give_back(std::size_t i) {
+    // One chunk of slot group i is given back (unused, consumed or failed): the group serves
+    // the producer again once all of its chunks are, and it is not the one being handed out.
+    void release(std::size_t i) noexcept {
+        if (--m_held[i] == 0 && i != m_open) {
+            recycle(i);
+        }
+    }
+    void recycle(std::size_t i) noexcept {
+        if (m_tainted[i]) {
+            m_core.abandon_host_buffers(*m_core.slots[i]);
+            m_tainted[i] = false;
+        }
         m_core.free_slots.push_back(i);
         m_slot_freed.notify_all();
     }
@@ -458,20 +649,26 @@ private:
         m_core.monitor.reset();
     }
     void end_session() {
+        m_recent.clear(); // their events go back to the pool with the session
         m_core.session_open = false;
         m_closed = false;
         ++m_sessions_ended;
     }
 
     core& m_core;
-    std::deque<flight> m_submitted;
+    std::deque<item> m_items;                            // submitted, not taken by next()
+    std::shared_ptr<stream_flight> m_pending;            // the run held back (not sent yet)
+    std::deque<std::shared_ptr<stream_flight>> m_recent; // the last `depth` runs sent (throttle)
+    std::vector<std::size_t> m_held; // per slot group: chunks handed out, not back
+    std::vector<bool> m_tainted;     // per slot group: pinned buffers to abandon
+    std::size_t m_open = npos;       // the slot group acquire() hands out from
+    std::size_t m_cursor = 0;        // its next chunk
     wait_list m_slot_freed;
     wait_list m_result_ready;
     std::size_t m_stream_seq = 0;
     std::size_t m_sessions_ended = 0;
-    unsigned m_front_attempts = 0; // chunk_timeout retries of the chunk next() waits for
-    std::size_t m_taken = 0;       // chunks next() took from the queue and has not finished
-    bool m_closed = false;         // close() called, and next() has not returned the end yet
+    std::size_t m_taken = 0; // chunks next() took from the queue and has not finished
+    bool m_closed = false;   // close() called, and next() has not returned the end yet
 };
 
 } // namespace cudawait::detail
