@@ -87,7 +87,14 @@
 //      copies its item in (host memcpy) and submits it; a consumer coroutine takes the results
 //      with next() and copies each out; both run on one scheduler (when_all).
 //        BM_stream_small/depth<d>           depth d (16 and 64), queue_capacity 2 x d
-//      Summary: the better depth / the 64 MiB batch figure of 3 (>= 0.35).
+//        BM_stream_small/grouped_depth<d>   chunk groups (group_bytes = default_group_bytes:
+//                                           64 items per slot group), depth d (4 and 8) slot
+//                                           groups, queue_capacity 2 x d groups; the light
+//                                           per-chunk stage (one launch per item, one copy
+//                                           each way per run of items)
+//        BM_stream_small/group_stage_depth8 the same at depth 8 with a group stage: one light
+//                                           launch per run of items
+//      Summary: the best variant (named) / the 64 MiB batch figure of 3 (>= 0.35).
 //
 // GB/s means 10^9 input bytes per second of host wall time (steady_clock around the whole
 // batch, including its synchronisation); every figure in the summary is a median. All variants
@@ -194,6 +201,16 @@ constexpr const char* kGroupVariants[] = {"grouped", "grouped_graph", "group_sta
 constexpr std::size_t kStreamItemBytes = 64_KiB;
 constexpr std::size_t kStreamTotalBytes = 512_MiB;
 constexpr unsigned kStreamDepths[] = {16, 64};
+/// 7, in chunk groups: depth (slot groups) and whether the stage is a group stage.
+struct stream_group_case {
+    unsigned depth;
+    bool group_stage;
+};
+constexpr stream_group_case kStreamGroupCases[] = {{4, false}, {8, false}, {8, true}};
+std::string stream_group_name(const stream_group_case& c) {
+    return std::string(c.group_stage ? "group_stage_depth" : "grouped_depth") +
+           std::to_string(c.depth);
+}
 constexpr double kStreamTarget = 0.35; ///< streaming / the 64 MiB batch figure, at least
 /// Section 4: pageable / host-copy bound, and registered / pinned, at least.
 constexpr double kPageableTarget = 0.85;
@@ -768,6 +785,21 @@ runs_by_variant measure_stream_small() {
         pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
         names.push_back("depth" + std::to_string(d));
     }
+    for (const stream_group_case& c : kStreamGroupCases) {
+        cudawait::pipeline_options o;
+        o.depth = c.depth;
+        o.chunk_elements = item;
+        o.group_bytes = cudawait::pipeline_options::default_group_bytes;
+        o.queue_capacity = 2 * std::size_t{c.depth}; // groups
+        std::vector<float_pipeline::stage> stages;
+        if (c.group_stage) {
+            stages.emplace_back(light_group_stage{});
+        } else {
+            stages.emplace_back(light_stage{});
+        }
+        pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
+        names.push_back(stream_group_name(c));
+    }
     return interleaved(kRounds, names, [&](std::size_t v) {
         poison(w, work::light, w.out.data(), n, item);
         const double secs = time_host([&] {
@@ -779,9 +811,8 @@ runs_by_variant measure_stream_small() {
     });
 }
 
-void BM_stream_small(benchmark::State& state, unsigned depth) {
+void BM_stream_small(benchmark::State& state, std::string v) {
     guarded(state, [&] {
-        const std::string v = "depth" + std::to_string(depth);
         const double secs =
             replay_variant(state, "stream_small", measure_stream_small, v, kStreamTotalBytes);
         g_stream_gbps[v] = gbps(kStreamTotalBytes, secs);
@@ -845,7 +876,12 @@ void register_benchmarks() {
     }
     // 7. Each iteration is one 512 MiB streamed run.
     for (unsigned d : kStreamDepths) {
-        register_manual("BM_stream_small/depth" + std::to_string(d), kRounds, &BM_stream_small, d);
+        const std::string v = "depth" + std::to_string(d);
+        register_manual("BM_stream_small/" + v, kRounds, &BM_stream_small, v);
+    }
+    for (const stream_group_case& c : kStreamGroupCases) {
+        const std::string v = stream_group_name(c);
+        register_manual("BM_stream_small/" + v, kRounds, &BM_stream_small, v);
     }
 }
 
@@ -1164,8 +1200,14 @@ void print_stream_summary() {
                 static_cast<long long>(kRounds));
     std::optional<double> best;
     std::string name = "streaming";
+    std::vector<std::string> variants;
     for (unsigned d : kStreamDepths) {
-        const std::string v = "depth" + std::to_string(d);
+        variants.push_back("depth" + std::to_string(d));
+    }
+    for (const stream_group_case& c : kStreamGroupCases) {
+        variants.push_back(stream_group_name(c));
+    }
+    for (const std::string& v : variants) {
         const auto r = find(g_stream_gbps, v);
         print_row(v, 22, {{r, 8, 2, " GB/s"}});
         if (r && (!best || *r > *best)) {

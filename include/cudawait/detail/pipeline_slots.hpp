@@ -322,8 +322,8 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::h2d_start].record(h2d);
             }
-            enqueue_in_pieces(device_in(f, sl), src, f.count * sizeof(In),
-                              options.copy_piece_bytes, cudaMemcpyHostToDevice, h2d.get());
+            enqueue_in_pieces(device_in(f, sl), src, f.count * sizeof(In), options.copy_piece_bytes,
+                              cudaMemcpyHostToDevice, h2d.get());
             if (f.timed) {
                 (*t)[m::h2d_end].record(h2d);
             }
