@@ -4182,3 +4182,48 @@ TEST_F(pipeline_gpu, streaming_in_groups_keeps_timeouts_per_chunk_and_gives_up_r
 }
 
 } // namespace
+
+namespace {
+
+// close() sends the run held back; an exception from on_degrade meanwhile (a retry of the
+// failed enqueue) does not leave close() but reaches the next call of next(), and the run's
+// chunks then come from the fallback, once each, in order.
+TEST_F(pipeline_gpu, streaming_in_groups_defers_what_on_degrade_throws_in_close_to_next) {
+    std::vector<std::vector<u32>> items;
+    for (std::size_t i = 0; i < 2; ++i) {
+        items.push_back(random_words(4096, 1400 + i));
+    }
+    grouped_stream_setup setup;
+    pipeline_options o = setup.options(2, false);
+    int degrade_calls = 0;
+    o.on_degrade = [&](const cudawait::chunk_failure&) {
+        if (degrade_calls++ == 0) {
+            throw std::runtime_error("on_degrade refused");
+        }
+    };
+    auto failures = std::make_shared<int>(0);
+    std::vector<std::size_t> fallback_calls;
+    pipe_t p(o, {failing_group_stage{1, failures}},
+             [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 host_fallback(c, a, b);
+             });
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_items(p, items, 0, 2); // held back: the group is not full
+        EXPECT_NO_THROW(p.close());
+        EXPECT_THROW((void)co_await p.next(10s), std::runtime_error);
+        for (std::size_t k = 0; k < 2; ++k) {
+            auto r = co_await p.next(10s);
+            EXPECT_TRUE(r && r->chunk() == k && r->by_fallback() &&
+                        transformed_right(r->data(), items[k]))
+                << "item " << k;
+        }
+        EXPECT_FALSE(co_await p.next(10s));
+    }());
+    EXPECT_EQ(*failures, 1);
+    EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{0, 1}));
+    EXPECT_EQ(degrade_calls, 2) << "the retry's record and one give-up for the run";
+}
+
+} // namespace

@@ -307,7 +307,8 @@ public:
     }
 
     /// No more submissions; next() returns what is queued, then std::nullopt, which ends the
-    /// streaming session.
+    /// streaming session. Chunks held back (chunk groups) go to the GPU now; what on_degrade
+    /// throws meanwhile is thrown by the next call of next().
     void close() { m_stream.close(); }
 
     /// What the last batch run (or the streaming session so far) achieved.

@@ -215,7 +215,9 @@ struct pipeline_options {
     /// sizeof(In)) (at most max_group_chunks), move through the pipeline as one unit: one H2D
     /// copy, one D2H copy, one set of events and one wait per group, and one launch per group
     /// for a group stage (pipeline_stage.hpp). Each slot then holds G chunks (its device and
-    /// pinned buffers are G chunks long). Chunks of group_bytes or more are not grouped; 0 (the
+    /// pinned buffers are G chunks long). Batches over pinned ranges and streaming are grouped
+    /// (streaming sends runs of consecutive submissions); batches that stage pageable ranges
+    /// move one chunk at a time. Chunks of group_bytes or more are not grouped; 0 (the
     /// default): no grouping. For chunks of a few hundred KiB or less, where per-chunk launches
     /// and bookkeeping dominate, default_group_bytes is a good value (pipeline.hpp).
     std::size_t group_bytes = 0;

@@ -280,6 +280,9 @@ public:
         core& k = m_core;
         pipeline_stats& stats = k.monitor.counters();
         scheduler& sched = *co_await this_scheduler_ptr();
+        if (m_deferred) {
+            std::rethrow_exception(std::exchange(m_deferred, nullptr)); // from close()
+        }
         const std::size_t session = m_sessions_ended;
         while (m_items.empty()) {
             if (m_closed) {
@@ -404,7 +407,8 @@ public:
         co_return result(this, it.slot, it.position, it.seq, it.output_count, true);
     }
 
-    /// See pipeline::close. The chunks held back go to the GPU.
+    /// See pipeline::close. The chunks held back go to the GPU; what on_degrade throws meanwhile
+    /// reaches the next call of next().
     void close() {
         m_closed = true;
         if (m_open != npos) {
@@ -415,7 +419,12 @@ public:
         }
         m_result_ready.notify_all();
         m_slot_freed.notify_all();
-        flush();
+        try {
+            flush();
+        } catch (...) {
+            // Only what on_degrade throws, the run queued with its error: the consumer gets it.
+            m_deferred = std::current_exception();
+        }
     }
 
 private:
@@ -667,8 +676,9 @@ private:
     wait_list m_result_ready;
     std::size_t m_stream_seq = 0;
     std::size_t m_sessions_ended = 0;
-    std::size_t m_taken = 0; // chunks next() took from the queue and has not finished
-    bool m_closed = false;   // close() called, and next() has not returned the end yet
+    std::size_t m_taken = 0;       // chunks next() took from the queue and has not finished
+    std::exception_ptr m_deferred; // what close() could not throw (on_degrade), for next()
+    bool m_closed = false;         // close() called, and next() has not returned the end yet
 };
 
 } // namespace cudawait::detail
