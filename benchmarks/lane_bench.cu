@@ -17,8 +17,10 @@
 //     lane_pageable_direct   cudaMemcpyAsync of the pageable memory on the small lane's stream,
 //                            then co_await the stream (the driver's own staging; its D2H
 //                            blocks the scheduler's thread until the bytes are in place)
+//     sm_copy                a one-block kernel of 16-byte loads and stores over the pinned
+//                            memory on the small lane's stream: the SMs copy, no copy engine
 //     lane_pieces_<P>MiB     lane, while the pipeline copies its chunks in pieces of P MiB
-//                            (pipeline_options::copy_piece_bytes, P = 4, 8, 16)
+//                            (pipeline_options::copy_piece_bytes, P = 4)
 //   Bulk (BM_bulk/<setting>, seconds per run of kBulkBytes each way):
 //     alone_whole, alone_pieces_<P>MiB   the pipeline alone, whole chunks or pieces, interleaved
 //     with_<variant>                     the runs made while <variant>'s small copies ran
@@ -49,6 +51,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -85,7 +88,7 @@ constexpr int kMaxBulkRuns = 400; ///< batches per variant before settling for f
 /// Steady small copies per direction below which a variant's figures mean nothing.
 constexpr std::size_t kMinSamples = 32;
 constexpr std::int64_t kBulkRounds = 5; ///< interleaved runs of each pipeline alone
-constexpr std::size_t kPieceMiB[] = {4, 8, 16};
+constexpr std::size_t kPieceMiB[] = {4};
 constexpr std::size_t kOutputStride = 4096; ///< one checked output element per this many
 constexpr float kA = 1.5f;
 constexpr float kB = 0.25f;
@@ -93,7 +96,7 @@ constexpr float kB = 0.25f;
 constexpr double kLatencyTarget = 1.5; ///< under bulk / idle, at most (median)
 constexpr double kBulkTarget = 0.98;   ///< bulk with small copies or pieces / alone, at least
 
-enum class kind { plain, high_priority, lane, lane_pageable, lane_pageable_direct };
+enum class kind { plain, high_priority, lane, lane_pageable, lane_pageable_direct, sm_copy };
 
 struct variant {
     std::string name;
@@ -106,7 +109,8 @@ std::vector<variant> variants() {
                               {"high_priority", kind::high_priority, 0},
                               {"lane", kind::lane, 0},
                               {"lane_pageable", kind::lane_pageable, 0},
-                              {"lane_pageable_direct", kind::lane_pageable_direct, 0}};
+                              {"lane_pageable_direct", kind::lane_pageable_direct, 0},
+                              {"sm_copy", kind::sm_copy, 0}};
     for (std::size_t p : kPieceMiB) {
         v.push_back({"lane_pieces_" + std::to_string(p) + "MiB", kind::lane, p * 1_MiB});
     }
@@ -227,6 +231,23 @@ cudawait::task<void> direct_on_lane(void* dst, const void* src, cudawait::copy_d
     co_await s;
 }
 
+/// The copy made by the SMs instead of a copy engine: one block of 16-byte loads and stores
+/// over page-locked host memory (device-accessible by its host address), on the small lane.
+__global__ void sm_copy_words(const uint4* src, uint4* dst, std::size_t n) {
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+
+cudawait::task<void> sm_copy_on_lane(void* dst, const void* src, cudawait::copy_direction dir) {
+    const cudawait::stream_ref s = cudawait::small_copy_stream(cudawait::device_ref(0), dir);
+    sm_copy_words<<<1, 256, 0, s.get()>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
+                                          kSmallBytes / sizeof(uint4));
+    check(cudaGetLastError(), "sm_copy_words");
+    co_await s;
+}
+
 cudawait::task<void> small_h2d(small_context& c, kind how) {
     cudawait::pinned_buffer<std::uint32_t>& pinned = c.pinned_src;
     switch (how) {
@@ -244,6 +265,9 @@ cudawait::task<void> small_h2d(small_context& c, kind how) {
         break;
     case kind::lane_pageable_direct:
         co_await direct_on_lane(c.dev.data(), c.pageable_src.data(), cudawait::copy_direction::h2d);
+        break;
+    case kind::sm_copy:
+        co_await sm_copy_on_lane(c.dev.data(), pinned.data(), cudawait::copy_direction::h2d);
         break;
     }
 }
@@ -266,6 +290,9 @@ cudawait::task<void> small_d2h(small_context& c, kind how) {
     case kind::lane_pageable_direct:
         co_await direct_on_lane(c.pageable_back.data(), c.dev.data(),
                                 cudawait::copy_direction::d2h);
+        break;
+    case kind::sm_copy:
+        co_await sm_copy_on_lane(pinned.data(), c.dev.data(), cudawait::copy_direction::d2h);
         break;
     }
 }
@@ -392,9 +419,10 @@ void measure_once() {
     bulk_data data;
     small_context small;
     std::map<std::size_t, std::unique_ptr<float_pipeline>> pipes;
-    std::vector<std::size_t> settings = {0};
+    std::vector<std::size_t> settings(1 + std::size(kPieceMiB), 0);
+    std::size_t setting = 1;
     for (std::size_t p : kPieceMiB) {
-        settings.push_back(p * 1_MiB);
+        settings[setting++] = p * 1_MiB; // settings[0]: whole chunks
     }
     for (std::size_t p : settings) {
         pipes[p] = make_pipeline(p);
