@@ -27,6 +27,7 @@
 
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
+#include "random_words.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
@@ -39,14 +40,7 @@ using cudawait::device_ref;
 using cudawait::lane;
 using u32 = std::uint32_t;
 
-std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
-    std::vector<u32> v(n);
-    std::mt19937_64 rng(seed);
-    for (auto& x : v) {
-        x = static_cast<u32>(rng());
-    }
-    return v;
-}
+using cudawait::testing::random_words;
 
 // ---- without a device ------------------------------------------------------------------------
 

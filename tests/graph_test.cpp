@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu_fixture.hpp"
+#include "random_words.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
@@ -97,14 +98,7 @@ class graph_gpu : public cudawait::testing::gpu_test {};
 
 constexpr u32 salt = 0x6a11;
 
-std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
-    std::vector<u32> v(n);
-    std::mt19937_64 rng(seed);
-    for (auto& x : v) {
-        x = static_cast<u32>(rng());
-    }
-    return v;
-}
+using cudawait::testing::random_words;
 
 std::vector<u32> transformed(const u32* in, std::size_t n) {
     std::vector<u32> out(n);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gpu_fixture.hpp"
+#include "random_words.hpp"
 #include "test_kernels.hpp"
 
 namespace {
@@ -52,14 +53,7 @@ struct fake_sysfs {
     }
 };
 
-std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
-    std::vector<u32> v(n);
-    std::mt19937_64 rng(seed);
-    for (auto& x : v) {
-        x = static_cast<u32>(rng());
-    }
-    return v;
-}
+using cudawait::testing::random_words;
 
 } // namespace
 

@@ -22,6 +22,7 @@
 
 #include "gpu_fixture.hpp"
 #include "host_pool.hpp"
+#include "random_words.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
@@ -39,14 +40,7 @@ static_assert(std::is_nothrow_move_constructible_v<managed_buffer<int>>);
 static_assert(std::is_nothrow_move_assignable_v<managed_buffer<int>>);
 static_assert(std::ranges::contiguous_range<managed_buffer<int>&>);
 
-std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
-    std::vector<u32> v(n);
-    std::mt19937_64 rng(seed);
-    for (auto& x : v) {
-        x = static_cast<u32>(rng());
-    }
-    return v;
-}
+using cudawait::testing::random_words;
 
 /// A view whose type states managed memory, as managed_buffer does.
 template <class T>

@@ -27,6 +27,7 @@
 
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
+#include "random_words.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
@@ -46,14 +47,7 @@ using clock_type = std::chrono::steady_clock;
 constexpr u32 salt = 0x5eed;
 constexpr u32 poison = 0xdeadbeefu;
 
-std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
-    std::vector<u32> v(n);
-    std::mt19937_64 rng(seed);
-    for (auto& x : v) {
-        x = static_cast<u32>(rng());
-    }
-    return v;
-}
+using cudawait::testing::random_words;
 
 /// The host result of the transform stage, chunk by chunk (the index restarts in each chunk).
 std::vector<u32> expected(const std::vector<u32>& in, std::size_t chunk) {

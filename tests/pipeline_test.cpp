@@ -33,6 +33,7 @@
 #include "counting_device_resource.hpp"
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
+#include "random_words.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
@@ -50,14 +51,7 @@ using pipe_t = pipeline<u32>;
 
 constexpr u32 salt = 0x5eed;
 
-std::vector<u32> random_words(std::size_t n, std::uint64_t seed) {
-    std::vector<u32> v(n);
-    std::mt19937_64 rng(seed);
-    for (auto& x : v) {
-        x = static_cast<u32>(rng());
-    }
-    return v;
-}
+using cudawait::testing::random_words;
 
 /// The host result of the transform stage, chunk by chunk (the index restarts in each chunk).
 std::vector<u32> expected(const std::vector<u32>& in, std::size_t chunk) {

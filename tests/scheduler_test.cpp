@@ -577,11 +577,13 @@ TEST_F(scheduler_gpu, sleeping_policy_still_resumes) {
 
 // ---- sentinels and burst completions ---------------------------------------------------------
 
-TEST(scheduler, only_the_balanced_policy_arms_sentinels) {
-    static_assert(poll_policy::balanced().sentinel && poll_policy{}.sentinel);
-    static_assert(poll_policy::balanced().sentinel_poll > poll_policy::balanced().sleep_max);
-    static_assert(!poll_policy::spinning().sentinel && !poll_policy::yielding().sentinel &&
-                  !poll_policy::sleeping().sentinel);
+TEST(scheduler, only_the_sentinels_policy_arms_sentinels) {
+    static_assert(poll_policy::sentinels().sentinel && !poll_policy{}.sentinel);
+    static_assert(poll_policy::sentinels().sentinel_poll > poll_policy::sentinels().sleep_max);
+    static_assert(poll_policy::sentinels().spin == poll_policy::balanced().spin &&
+                  poll_policy::sentinels().yield == poll_policy::balanced().yield);
+    static_assert(!poll_policy::balanced().sentinel && !poll_policy::spinning().sentinel &&
+                  !poll_policy::yielding().sentinel && !poll_policy::sleeping().sentinel);
     scheduler s;
     EXPECT_EQ(cudawait::detail::scheduler_access::sentinel_streams(s), 0u);
 }
@@ -589,7 +591,7 @@ TEST(scheduler, only_the_balanced_policy_arms_sentinels) {
 /// Sentinels on, and every other way out of the sleep phase 30 s away: a long wait that resumes
 /// well within that was woken by its sentinel.
 poll_policy sentinel_only() {
-    poll_policy p = poll_policy::balanced();
+    poll_policy p = poll_policy::sentinels();
     p.sleep_min = 30s;
     p.sleep_max = 30s;
     p.sentinel_poll = 30s;

@@ -20,10 +20,12 @@
 // schedule it between the pieces of the chunk. The small lane is that stream, one per direction
 // and device, shared by every coroutine that makes small copies: control traffic (parameters,
 // flags, counters, a result's header) never queues behind bulk data, only behind other small
-// copies. Whether it completes within its idle-link latency while a pipeline keeps both
-// directions busy is measured by benchmarks/lane_bench.cu, side by side with the alternatives
-// (a plain stream, a high-priority one, the pipeline's copies split into pieces:
-// pipeline_options::copy_piece_bytes).
+// copies. benchmarks/lane_bench.cu measures how long it takes while a pipeline keeps both
+// directions busy, side by side with the alternatives (a plain stream, a high-priority one, the
+// pipeline's copies split into pieces: pipeline_options::copy_piece_bytes). On an H200 a small
+// H2D copy on the lane took 2.2x its idle latency under 64 MiB chunks; a small D2H copy, on any
+// stream or priority, waited for the bulk D2H chunk already queued on the copy engine (1.2 ms),
+// with the chunks in pieces or not.
 //
 // Ordering. A copy on a lane is ordered with the lane's earlier copies only, not with the
 // caller's streams: the data must be ready when the copy is made (await the stream of the

@@ -2,8 +2,8 @@
 #pragma once
 
 // Synopsis
-//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep (woken by
-//                         sentinels when the GPU work completes, or with back-off)
+//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep with back-off
+//                         (or, with poll_policy::sentinels(), woken when the GPU work completes)
 //   class scheduler;      the event loop that resumes coroutines when their GPU work finished
 //   sleep_for(d)          inside a task: `co_await sleep_for(5ms);`
 //   (with_timeout is in timeout.hpp)
@@ -19,12 +19,13 @@
 // Awaited user events are kept in a separate list and each is queried per sweep. No CUDA host
 // callbacks are used on this path: they cost ~5x the latency of polling and may not call CUDA.
 //
-// Sentinels. Once nothing has been ready for the policy's spin and yield phases, the scheduler
-// arms a sentinel per pending wait (the head of each stream's FIFO and each user event): a
-// private stream waits for the event and then runs a CUDA host function that wakes the loop
-// (detail/idle_watch.hpp). The loop then sleeps until a sentinel, a post or a timer wakes it,
-// polling only every `sentinel_poll`: few wake-ups, and it resumes within a host function's
-// latency of the GPU finishing, where the sleep back-off alone would take up to `sleep_max`.
+// Sentinels (poll_policy::sentinels(), or `sentinel` set in a policy of your own). Once nothing
+// has been ready for the policy's spin and yield phases, the scheduler arms a sentinel per pending
+// wait (the head of each stream's FIFO and each user event): a private stream waits for the event
+// and then runs a CUDA host function that wakes the loop (detail/idle_watch.hpp). The loop then
+// sleeps until a sentinel, a post or a timer wakes it, polling only every `sentinel_poll`: few
+// wake-ups, and it resumes within a host function's latency of the GPU finishing, where the sleep
+// back-off alone would take up to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -86,8 +87,9 @@ struct poll_policy {
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
     std::chrono::nanoseconds sleep_min = std::chrono::microseconds(20);
     std::chrono::nanoseconds sleep_max = std::chrono::microseconds(1000);
-    /// Sentinels wake the sleep phase when the GPU work completes (see above).
-    bool sentinel = true;
+    /// Sentinels wake the sleep phase when the GPU work completes (see above). Off in every
+    /// named policy but sentinels().
+    bool sentinel = false;
     /// While sentinels watch every pending wait, the loop still polls this often.
     std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(10);
 
@@ -109,9 +111,15 @@ struct poll_policy {
              std::chrono::nanoseconds max = std::chrono::microseconds(2000)) noexcept {
         return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max, false};
     }
-    /// The default: spin 200 us, yield until 1 ms, then sleep, woken by sentinels (polling
-    /// every 10 ms; 20 us .. 1 ms back-off where no sentinel could be armed).
+    /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
+    /// balanced(), but the sleep phase is woken by sentinels (polling every 10 ms; 20 us .. 1 ms
+    /// back-off where no sentinel could be armed): fewer wake-ups while the GPU works long.
+    [[nodiscard]] static constexpr poll_policy sentinels() noexcept {
+        poll_policy p;
+        p.sentinel = true;
+        return p;
+    }
 };
 
 namespace detail {
