@@ -1039,7 +1039,7 @@ private:
 /// expire, or when other threads post them. (Its members are those of detail::basic_scheduler.)
 class scheduler : public detail::basic_scheduler<> {
 public:
-    using basic_scheduler::basic_scheduler;
+    using detail::basic_scheduler<>::basic_scheduler;
 };
 
 namespace detail {
