@@ -164,7 +164,6 @@ inline void cpu_relax() noexcept {
 template <class Handle>
 class wait_awaiter;
 class sleep_awaiter;
-struct schedule_awaitable;
 template <class Unused = void>
 struct scheduler_access_t;
 template <class Unused = void>
@@ -175,6 +174,11 @@ class basic_scheduler;
 class scheduler;
 
 namespace detail {
+
+/// What scheduler::schedule() returns.
+struct schedule_awaitable {
+    scheduler* target;
+};
 
 /// Everything `scheduler` is, as a class template that `scheduler` derives from: the members of
 /// a template are instantiated only where they are used, so a translation unit that includes
@@ -1164,10 +1168,6 @@ private:
     std::chrono::nanoseconds m_for;
 };
 
-struct schedule_awaitable {
-    scheduler* target;
-};
-
 class schedule_awaiter {
 public:
     explicit schedule_awaiter(scheduler& s) noexcept : m_scheduler(&s) {}
@@ -1205,7 +1205,11 @@ inline schedule_awaiter await_on(promise_base& p, schedule_awaitable a, std::sou
 
 template <class Unused>
 schedule_awaitable basic_scheduler<Unused>::schedule() noexcept {
-    return {self()};
+    // Not `return {self()};`: nvcc 13.0's host pass rejects that aggregate initialisation in a
+    // member template ("could not convert"), as g++ on its own does not.
+    schedule_awaitable a;
+    a.target = self();
+    return a;
 }
 template <class Unused>
 wait_awaiter<cudaStream_t> basic_scheduler<Unused>::wait(stream_ref s, std::source_location where) {
