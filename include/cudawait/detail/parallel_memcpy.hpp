@@ -21,7 +21,8 @@
 
 namespace cudawait::detail {
 
-class memcpy_workers {
+template <class = void>
+class basic_memcpy_workers {
 public:
     /// Parts smaller than this are not worth a thread's wake-up.
     static constexpr std::size_t min_part = std::size_t{1} << 20;
@@ -33,7 +34,7 @@ public:
     /// them would never finish) and their queues' locks may be held by a thread that is gone.
     /// The set holds no CUDA state, so the child gets a fresh one; the inherited set is left
     /// alone, never touched nor destroyed.
-    static memcpy_workers& instance() {
+    static basic_memcpy_workers& instance() {
         static std::atomic<current*> now{nullptr};
         for (;;) {
             current* c = now.load(std::memory_order_acquire);
@@ -41,7 +42,7 @@ public:
                 return *c->workers;
             }
             auto fresh = std::make_unique<current>();
-            fresh->workers = std::make_unique<memcpy_workers>(default_threads());
+            fresh->workers = std::make_unique<basic_memcpy_workers>(default_threads());
             if (now.compare_exchange_strong(c, fresh.get(), std::memory_order_acq_rel)) {
                 return *fresh.release()->workers; // never destroyed, as said above
             }
@@ -49,7 +50,7 @@ public:
         }
     }
 
-    explicit memcpy_workers(unsigned threads) {
+    explicit basic_memcpy_workers(unsigned threads) {
         for (unsigned i = 0; i + 1 < threads; ++i) {
             auto w = std::make_unique<worker>();
             try {
@@ -60,9 +61,9 @@ public:
             m_workers.push_back(std::move(w));
         }
     }
-    memcpy_workers(const memcpy_workers&) = delete;
-    memcpy_workers& operator=(const memcpy_workers&) = delete;
-    ~memcpy_workers() {
+    basic_memcpy_workers(const basic_memcpy_workers&) = delete;
+    basic_memcpy_workers& operator=(const basic_memcpy_workers&) = delete;
+    ~basic_memcpy_workers() {
         for (auto& w : m_workers) {
             {
                 std::lock_guard lock(w->mutex);
@@ -110,7 +111,7 @@ public:
 private:
     struct current {
         fork_stamp stamp; ///< the process the set was made in
-        std::unique_ptr<memcpy_workers> workers;
+        std::unique_ptr<basic_memcpy_workers> workers;
     };
 
     struct part {
@@ -159,5 +160,9 @@ private:
 
     std::vector<std::unique_ptr<worker>> m_workers;
 };
+
+/// The process's memcpy workers (basic_memcpy_workers: a class template of an unused
+/// parameter, so that only a translation unit that copies through them instantiates them).
+using memcpy_workers = basic_memcpy_workers<>;
 
 } // namespace cudawait::detail
