@@ -132,15 +132,20 @@ pinned_pool* owning_pool(const R& r, const void* p, pinned_pool& fallback) {
     }
 }
 
+// The helpers from here on are function templates with an unused parameter, so that only a
+// translation unit that copies instantiates them and what they use (benchmarks/compile_cost.sh).
+
 /// The device whose memory `p` is, or -1 where the driver does not call it device memory.
 /// @throws cuda_error
-[[nodiscard]] inline int pointer_device(const void* p) {
+template <class = void>
+[[nodiscard]] int pointer_device(const void* p) {
     cudaPointerAttributes a{};
     check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
     return a.type == cudaMemoryTypeDevice ? a.device : -1;
 }
 
-inline pinned_pool& staging_pool(const copy_options& opt) {
+template <class = void>
+pinned_pool& staging_pool(const copy_options& opt) {
     return opt.pool != nullptr ? *opt.pool : default_pinned_pool();
 }
 
@@ -186,8 +191,9 @@ copy_plan make_plan(const Dst& dst, const Src& src, const copy_options& opt) {
 /// copy), with peer access enabled both ways first where the pair supports it, so that a copy
 /// engine of either device can move the bytes directly.
 /// @throws cuda_error
-inline void enqueue_peer(void* dst, int dst_device, const void* src, int src_device,
-                         std::size_t bytes, stream_ref s) {
+template <class = void>
+void enqueue_peer(void* dst, int dst_device, const void* src, int src_device, std::size_t bytes,
+                  stream_ref s) {
     if (dst_device != src_device) {
         (void)enable_peer_access(src_device, dst_device);
         (void)enable_peer_access(dst_device, src_device);
@@ -198,7 +204,8 @@ inline void enqueue_peer(void* dst, int dst_device, const void* src, int src_dev
 
 // A direct copy: one cudaMemcpyAsync (cudaMemcpyPeerAsync between devices), and pool memory on
 // either side marked as used by `s`.
-inline void enqueue_direct(const copy_plan& plan, stream_ref s) {
+template <class = void>
+void enqueue_direct(const copy_plan& plan, stream_ref s) {
     if (plan.peer()) {
         enqueue_peer(plan.dst, plan.dst_device, plan.src, plan.src_device, plan.bytes, s);
         return;
@@ -217,7 +224,8 @@ inline void enqueue_direct(const copy_plan& plan, stream_ref s) {
 /// (the destination's first; else the current device), the h2d stream where the destination
 /// is device or managed memory, else the d2h stream.
 /// @throws cuda_error; usage_error (copy_lanes::for_device after fork)
-inline stream_ref lane_stream(const copy_plan& plan, lane l) {
+template <class = void>
+stream_ref lane_stream(const copy_plan& plan, lane l) {
     const bool to_device =
         plan.dst_kind == memory_kind::device || plan.dst_kind == memory_kind::managed;
     int dev = -1;
@@ -233,7 +241,8 @@ inline stream_ref lane_stream(const copy_plan& plan, lane l) {
     return copy_lanes::for_device(d).get(l, to_device ? copy_direction::h2d : copy_direction::d2h);
 }
 
-inline task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
+template <class = void>
+task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
     if (!plan.staged()) {
         enqueue_direct(plan, s);
         co_await s;

@@ -94,8 +94,11 @@ enum class copy_direction {
 class copy_lanes {
 public:
     /// The lanes of `dev`, made on first use (thread-safe; later calls take a mutex and return).
+    /// A template (of an unused parameter) so that only a translation unit that uses the lanes
+    /// instantiates what they are made of.
     /// @throws usage_error in a child process forked after the parent used the lanes;
     ///         cuda_error
+    template <class = void>
     [[nodiscard]] static copy_lanes& for_device(device_ref dev) {
         registry& r = registry::instance();
         std::lock_guard lock(r.mutex);
@@ -169,7 +172,8 @@ private:
 /// The small lane's stream of `dev` for copies going `d`: for copies of one's own (a kernel's
 /// parameters through cudaMemcpyAsync, say) that must not queue behind bulk transfers.
 /// @throws as copy_lanes::for_device
-[[nodiscard]] inline stream_ref small_copy_stream(device_ref dev, copy_direction d) {
+template <class = void>
+[[nodiscard]] stream_ref small_copy_stream(device_ref dev, copy_direction d) {
     return copy_lanes::for_device(dev).get(lane::small, d);
 }
 

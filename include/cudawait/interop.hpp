@@ -76,7 +76,10 @@ inline void legacy_stream_wait_for(stream_ref s,
 /// (wait_for_legacy_stream) and resumes once `s` is idle, so that the legacy stream's results
 /// are complete and later work on `s` is ordered after them.
 /// @throws cuda_error (at the call for the ordering, else from the await)
-[[nodiscard]] inline task<void>
+/// (A function template, called as `after_legacy_stream(s)`: only a translation unit that calls
+/// it instantiates the coroutine.)
+template <class Unused = void>
+[[nodiscard]] task<void>
 after_legacy_stream(stream_ref s, std::source_location where = std::source_location::current()) {
     wait_for_legacy_stream(s, where);
     return [](stream_ref st) -> task<void> { co_await st; }(s);

@@ -165,7 +165,10 @@ inline bool pcie_from_nvml(link_info& info, std::string& why) {
 /// sysfs; 0 and a reason in `source` when neither answers), its copy engines, and the measured
 /// one-way peak (a few milliseconds the first time per device and process).
 /// @throws cuda_error for an invalid device or when the peak cannot be measured
-[[nodiscard]] inline link_info describe_link(int device) {
+/// (A function template, called as `describe_link(dev)`: only a translation unit that calls it
+/// instantiates the peak's measurement.)
+template <class Unused = void>
+[[nodiscard]] link_info describe_link(int device) {
     link_info info;
     info.device = device;
     device_ref dev(device);

@@ -125,8 +125,10 @@ inline void enqueue_prefetch(prefetch_range r, int device, stream_ref s,
 #endif
 }
 
-inline task<void> prefetch_task(prefetch_range r, int device, stream_ref s,
-                                std::source_location where) {
+/// A template (called with its default) so that only a translation unit that prefetches
+/// instantiates the coroutine and the scheduler's stream wait.
+template <class Unused = void>
+task<void> prefetch_task(prefetch_range r, int device, stream_ref s, std::source_location where) {
     enqueue_prefetch(r, device, s, where);
     co_await s;
 }

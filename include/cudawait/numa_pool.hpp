@@ -51,10 +51,12 @@ enum class numa_policy {
                ///< mbind leaves the slab placed by first touch
 };
 
-/// A slab_source whose slabs live on one NUMA node: an anonymous mapping (transparent huge
-/// pages requested), bound to the node with mbind, faulted in on several threads, then
-/// registered with cudaHostRegister (portable). Slabs are 2 MiB-aligned, as a pinned_pool needs.
-class numa_slab_source final : public slab_source {
+namespace detail {
+
+/// Everything numa_slab_source is, as a class template it derives from, so that only a
+/// translation unit that makes one instantiates it. `Unused` is always void.
+template <class Unused = void>
+class basic_numa_slab_source : public slab_source {
 public:
     /// The largest range one cudaHostRegister call accepts here.
     static constexpr std::size_t max_slab_bytes = 64_GiB;
@@ -62,17 +64,17 @@ public:
 
     /// @throws usage_error when `node` is no NUMA node of this machine (where sysfs does not
     ///         list the nodes, only node 0 is)
-    explicit numa_slab_source(int node, numa_policy policy = numa_policy::bind)
+    explicit basic_numa_slab_source(int node, numa_policy policy = numa_policy::bind)
         : m_node(node), m_policy(policy) {
-        if (!detail::numa_node_exists(node)) {
+        if (!numa_node_exists(node)) {
             throw usage_error("numa_slab_source: " + std::to_string(node) +
                               " is no NUMA node of this machine (it has " +
-                              std::to_string(detail::numa_node_count()) + ")");
+                              std::to_string(numa_node_count()) + ")");
         }
     }
 
-    numa_slab_source(const numa_slab_source&) = delete;
-    numa_slab_source& operator=(const numa_slab_source&) = delete;
+    basic_numa_slab_source(const basic_numa_slab_source&) = delete;
+    basic_numa_slab_source& operator=(const basic_numa_slab_source&) = delete;
 
     /// @throws usage_error for a size that is not a non-zero multiple of 2 MiB up to 64 GiB;
     ///         std::bad_alloc when mmap fails; std::system_error when mbind is refused under
@@ -83,10 +85,10 @@ public:
                               "and at most 64 GiB");
         }
 #if defined(__linux__)
-        std::byte* p = detail::map_huge_aligned(bytes, alignment);
+        std::byte* p = map_huge_aligned(bytes, alignment);
         try {
             place(p, bytes);
-            detail::fault_in(p, bytes);
+            fault_in(p, bytes);
         } catch (...) {
             ::munmap(p, bytes);
             throw;
@@ -103,7 +105,7 @@ public:
     }
 
     void deallocate(void* p, std::size_t bytes) noexcept override {
-        detail::report(cudaHostUnregister(p), "cudaHostUnregister");
+        report(cudaHostUnregister(p), "cudaHostUnregister");
 #if defined(__linux__)
         ::munmap(p, bytes);
 #else
@@ -124,9 +126,9 @@ public:
 private:
     // Before the first touch: the policy decides where each page is faulted in.
     void place(std::byte* p, std::size_t bytes) {
-        int mode = m_policy == numa_policy::bind ? detail::mpol_bind : detail::mpol_preferred;
+        int mode = m_policy == numa_policy::bind ? mpol_bind : mpol_preferred;
         try {
-            detail::bind_to_node(p, bytes, m_node, mode);
+            bind_to_node(p, bytes, m_node, mode);
         } catch (const std::system_error&) {
             if (m_policy == numa_policy::bind) {
                 throw;
@@ -138,6 +140,18 @@ private:
     int m_node;
     numa_policy m_policy;
     std::atomic<std::uint64_t> m_unplaced{0};
+};
+
+} // namespace detail
+
+/// A slab_source whose slabs live on one NUMA node: an anonymous mapping (transparent huge
+/// pages requested), bound to the node with mbind, faulted in on several threads, then
+/// registered with cudaHostRegister (portable). Slabs are 2 MiB-aligned, as a pinned_pool needs.
+///
+/// (Its members are those of detail::basic_numa_slab_source.)
+class numa_slab_source final : public detail::basic_numa_slab_source<> {
+public:
+    using detail::basic_numa_slab_source<>::basic_numa_slab_source;
 };
 
 namespace detail {
@@ -170,7 +184,10 @@ inline std::mutex& numa_pool_mutex() noexcept {
 /// @throws usage_error when `node` is no NUMA node of this machine, or in a child process
 ///         created by fork() after the pool was made (its memory is registered with the
 ///         parent's CUDA context)
-[[nodiscard]] inline pinned_pool& numa_pinned_pool(int node) {
+/// (A function template, called as `numa_pinned_pool(node)`: only a translation unit that calls
+/// it instantiates the pool.)
+template <class Unused = void>
+[[nodiscard]] pinned_pool& numa_pinned_pool(int node) {
     if (node < 0 || node >= detail::max_numa_pools) {
         throw usage_error("numa_pinned_pool: " + std::to_string(node) +
                           " is no NUMA node of this machine");

@@ -205,21 +205,22 @@ public:
     virtual void deallocate(void* p, std::size_t bytes) noexcept = 0;
 };
 
-/// The default slab source. An anonymous mapping (transparent huge pages requested) is pre-faulted
-/// by several threads at once and then registered with cudaHostRegister (portable, so that every
-/// device can use it); that is about 10x faster than cudaHostAlloc on large slabs. Where
-/// registration fails, the slab comes from cudaHostAlloc instead.
-class registered_slab_source final : public slab_source {
+namespace detail {
+
+/// Everything registered_slab_source is, as a class template it derives from, so that only a
+/// translation unit that makes one instantiates its map and its threads. `Unused` is always void.
+template <class Unused = void>
+class basic_registered_slab_source : public slab_source {
 public:
     /// The largest range one cudaHostRegister call accepts here.
     static constexpr std::size_t max_slab_bytes = 64_GiB;
     static constexpr std::size_t alignment = 2_MiB;
 
-    /// `fault_threads` = 0 picks one thread per 64 MiB, up to the hardware's threads.
-    explicit registered_slab_source(unsigned fault_threads = 0) : m_fault_threads(fault_threads) {}
+    explicit basic_registered_slab_source(unsigned fault_threads = 0)
+        : m_fault_threads(fault_threads) {}
 
-    registered_slab_source(const registered_slab_source&) = delete;
-    registered_slab_source& operator=(const registered_slab_source&) = delete;
+    basic_registered_slab_source(const basic_registered_slab_source&) = delete;
+    basic_registered_slab_source& operator=(const basic_registered_slab_source&) = delete;
 
     void* allocate(std::size_t bytes) override {
         if (bytes == 0 || bytes % alignment != 0 || bytes > max_slab_bytes) {
@@ -321,6 +322,17 @@ private:
     unsigned m_fault_threads;
     std::mutex m_mutex;
     std::unordered_map<void*, void*> m_host_alloc; // aligned slab -> cudaHostAlloc's pointer
+};
+} // namespace detail
+
+/// The default slab source. An anonymous mapping (transparent huge pages requested) is pre-faulted
+/// by several threads at once and then registered with cudaHostRegister (portable, so that every
+/// device can use it); that is about 10x faster than cudaHostAlloc on large slabs. Where
+/// registration fails, the slab comes from cudaHostAlloc instead.
+class registered_slab_source final : public detail::basic_registered_slab_source<> {
+public:
+    /// `fault_threads` = 0 picks one thread per 64 MiB, up to the hardware's threads.
+    using detail::basic_registered_slab_source<>::basic_registered_slab_source;
 };
 
 /// How a pinned_pool behaves; every field has a default.
@@ -509,34 +521,25 @@ struct pool_block_extra {
 };
 } // namespace detail
 
-/// A pool of page-locked host memory with host-safe reuse.
-///
-/// Blocks come from large slabs (64 MiB by default; `reserve` grows by exactly what it is told)
-/// and are sub-allocated by a two-level segregated fit with coalescing: O(1), blocks rounded to
-/// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary. Requests of
-/// own_slab_bytes (8 MiB) and more that find no room grow slabs of their own size instead,
-/// which smaller requests never cut up, and empty slabs go back before the pool grows past its
-/// peak (see pinned_pool_options::own_slab_bytes): under churn of mixed sizes the pool then
-/// holds about 1.2x the live bytes, not 1.4x.
-///
-/// A freed block on which record_use() was called is handed out again only once every stream
-/// that used it passed the recorded point. Until then it is pending. Pending blocks are checked
-/// (one query per recorded use) when a request finds no free block, and by record_use() once
-/// they reach twice the bytes the last check left pending plus an eighth of a slab, or twice the
-/// blocks plus 32: checks cost O(1) per block, and blocks whose uses completed do not pile up.
-///
-/// When a request finds no free block, the pool grows only after a check that saw every block
-/// pending at that moment, and one thread grows it at a time: threads that miss together wait
-/// for the check or the growth in progress and look again. Thread-safe; CUDA calls are made
-/// outside the lock, and the hit path (free memory cached) takes one lock and makes no call.
+class pinned_pool;
 class pinned_pool_resource;
+/// (Declared here for basic_pinned_pool's friendship; documented below.)
+template <class Unused = void>
+pinned_pool& default_pinned_pool();
 
-class pinned_pool : public std::pmr::memory_resource {
+namespace detail {
+
+/// Everything `pinned_pool` is, as a class template that `pinned_pool` derives from: the
+/// members of a template are instantiated only where they are used, so a translation unit that
+/// includes this header and makes no pool does not instantiate the allocator, its containers and
+/// its threads. `Unused` is always void.
+template <class Unused = void>
+class basic_pinned_pool : public std::pmr::memory_resource {
 public:
     /// The smallest alignment and size step of a block.
     static constexpr std::size_t granule = 256;
 
-    explicit pinned_pool(pinned_pool_options options = {}) : m_options(std::move(options)) {
+    explicit basic_pinned_pool(pinned_pool_options options = {}) : m_options(std::move(options)) {
         if (!m_options.upstream) {
             m_options.upstream = std::make_shared<registered_slab_source>();
         }
@@ -553,14 +556,14 @@ public:
         m_check_at_bytes = m_options.slab_bytes / 8;
     }
 
-    pinned_pool(const pinned_pool&) = delete;
-    pinned_pool& operator=(const pinned_pool&) = delete;
+    basic_pinned_pool(const basic_pinned_pool&) = delete;
+    basic_pinned_pool& operator=(const basic_pinned_pool&) = delete;
 
     /// Waits for blocks still pending reuse, reports (on stderr) blocks still handed out, and
     /// gives every slab without such blocks back. Slabs holding leaked blocks stay mapped, so a
     /// late access through a leaked pointer does not fault. In a child created by fork() after
     /// the pool was made it does nothing: no CUDA call, no lock (see detail/fork_guard.hpp).
-    ~pinned_pool() override {
+    ~basic_pinned_pool() override {
         if (m_stamp.inherited()) {
             // A forked child: the slabs and marks may be the parent's CUDA state, and a lock
             // may be held by a thread that did not survive the fork. The process's memory goes
@@ -830,7 +833,9 @@ public:
     }
 #endif
 
-    friend bool operator==(const pinned_pool& a, const pinned_pool& b) noexcept { return &a == &b; }
+    friend bool operator==(const basic_pinned_pool& a, const basic_pinned_pool& b) noexcept {
+        return &a == &b;
+    }
 
     /// A copyable view of this pool as a cuda::mr resource (synchronous and stream-ordered, in
     /// both CCCL spellings), for what takes only copyable resources: CCCL 3.1's resource_ref
@@ -1194,7 +1199,8 @@ private:
         }
     }
 
-    friend pinned_pool& default_pinned_pool();
+    template <class>
+    friend pinned_pool& cudawait::default_pinned_pool();
 
     pinned_pool_options m_options;
     detail::fork_stamp m_stamp; ///< the process the pool was made in
@@ -1225,6 +1231,35 @@ private:
     std::uint64_t m_misses = 0;
     std::uint64_t m_growth_count = 0;
     std::chrono::nanoseconds m_growth_time{0};
+};
+
+} // namespace detail
+
+/// A pool of page-locked host memory with host-safe reuse.
+///
+/// Blocks come from large slabs (64 MiB by default; `reserve` grows by exactly what it is told)
+/// and are sub-allocated by a two-level segregated fit with coalescing: O(1), blocks rounded to
+/// 256 bytes only. Blocks of 2 MiB and more start on a 2 MiB boundary. Requests of
+/// own_slab_bytes (8 MiB) and more that find no room grow slabs of their own size instead,
+/// which smaller requests never cut up, and empty slabs go back before the pool grows past its
+/// peak (see pinned_pool_options::own_slab_bytes): under churn of mixed sizes the pool then
+/// holds about 1.2x the live bytes, not 1.4x.
+///
+/// A freed block on which record_use() was called is handed out again only once every stream
+/// that used it passed the recorded point. Until then it is pending. Pending blocks are checked
+/// (one query per recorded use) when a request finds no free block, and by record_use() once
+/// they reach twice the bytes the last check left pending plus an eighth of a slab, or twice the
+/// blocks plus 32: checks cost O(1) per block, and blocks whose uses completed do not pile up.
+///
+/// When a request finds no free block, the pool grows only after a check that saw every block
+/// pending at that moment, and one thread grows it at a time: threads that miss together wait
+/// for the check or the growth in progress and look again. Thread-safe; CUDA calls are made
+/// outside the lock, and the hit path (free memory cached) takes one lock and makes no call.
+///
+/// (Its members are those of detail::basic_pinned_pool.)
+class pinned_pool : public detail::basic_pinned_pool<> {
+public:
+    using detail::basic_pinned_pool<>::basic_pinned_pool;
 };
 
 #if CUDAWAIT_HAS_CUDA_MR
@@ -1291,7 +1326,10 @@ private:
     pinned_pool* m_pool;
 };
 
-inline pinned_pool_resource pinned_pool::resource() noexcept { return pinned_pool_resource(*this); }
+template <class Unused>
+pinned_pool_resource detail::basic_pinned_pool<Unused>::resource() noexcept {
+    return pinned_pool_resource(static_cast<pinned_pool&>(*this));
+}
 
 #if CUDAWAIT_HAS_CUDA_MR
 /// A view's memory is the pool's: host-accessible.
@@ -1304,7 +1342,11 @@ constexpr void get_property(const pinned_pool_resource&, cuda::mr::device_access
 /// ends (it is never destroyed, so no static destruction order can free memory still in use).
 /// @throws usage_error in a child process created by fork() after the pool was made: its
 ///         memory is registered with the parent's CUDA context, which a child cannot use
-[[nodiscard]] inline pinned_pool& default_pinned_pool() {
+///
+/// A function template (called as `default_pinned_pool()`) so that only a translation unit that
+/// uses it makes a pool.
+template <class Unused>
+[[nodiscard]] pinned_pool& default_pinned_pool() {
     static pinned_pool* pool = new pinned_pool();
     if (pool->m_stamp.inherited()) {
         throw usage_error("cudawait::default_pinned_pool used in a child process after fork(); "

@@ -172,26 +172,41 @@ inline void cpu_relax() noexcept {
 template <class Handle>
 class wait_awaiter;
 class sleep_awaiter;
-struct schedule_awaitable;
-struct scheduler_access;
+template <class Unused = void>
+struct scheduler_access_t;
+template <class Unused = void>
+class basic_scheduler;
 
 } // namespace detail
 
-/// The event loop. Resumes coroutines when the GPU work they await finished, when their timers
-/// expire, or when other threads post them.
-class scheduler {
+class scheduler;
+
+namespace detail {
+
+/// What scheduler::schedule() returns.
+struct schedule_awaitable {
+    scheduler* target;
+};
+
+/// Everything `scheduler` is, as a class template that `scheduler` derives from: the members of
+/// a template are instantiated only where they are used, so a translation unit that includes
+/// this header and drives no scheduler does not instantiate the loop and the standard containers
+/// it uses. `Unused` is always void.
+template <class Unused>
+class basic_scheduler {
     using clock = std::chrono::steady_clock;
-    friend struct detail::scheduler_access;
+    template <class>
+    friend struct scheduler_access_t;
 
 public:
-    explicit scheduler(poll_policy policy = {}) : m_policy(policy) {}
-    scheduler(const scheduler&) = delete;
-    scheduler& operator=(const scheduler&) = delete;
+    explicit basic_scheduler(poll_policy policy = {}) : m_policy(policy) {}
+    basic_scheduler(const basic_scheduler&) = delete;
+    basic_scheduler& operator=(const basic_scheduler&) = delete;
 
     /// Drives the loop until no GPU wait is pending and nothing is ready, so no recycled event
     /// is handed back while the GPU may still complete it. Coroutines still suspended on timers
     /// or on other schedulers are reported on stderr and not resumed.
-    ~scheduler() {
+    ~basic_scheduler() {
         try {
             run_until([this] {
                 return !has_gpu_waits() && m_ready.empty() && m_children == 0 &&
@@ -244,7 +259,7 @@ public:
         using R = detail::awaited_t<A>;
         m_detached.fetch_add(1, std::memory_order_relaxed);
         auto d = detail::run_detached<R>(std::forward<A>(work), detached_sink{this});
-        d.handle().promise().set_scheduler(this);
+        d.handle().promise().set_scheduler(self());
         post(std::coroutine_handle<>(d.handle()));
     }
 
@@ -471,8 +486,12 @@ private:
 
     // ---- helpers ---------------------------------------------------------------------------
 
+    /// The scheduler this is the base of (`this` is dependent: the cast is checked where the
+    /// member is instantiated, after `scheduler` is complete).
+    [[nodiscard]] scheduler* self() noexcept { return static_cast<scheduler*>(this); }
+
     struct detached_sink {
-        scheduler* self;
+        basic_scheduler* self;
         template <class R>
         void complete(detail::result_slot<R>&& r) {
             if (r.has_exception()) {
@@ -490,7 +509,7 @@ private:
 
     class loop_owner {
     public:
-        explicit loop_owner(scheduler& s) : m_s(s) {
+        explicit loop_owner(basic_scheduler& s) : m_s(s) {
             std::thread::id none{};
             if (!m_s.m_owner.compare_exchange_strong(none, std::this_thread::get_id())) {
                 throw usage_error("cudawait::scheduler is already being driven (by another "
@@ -502,7 +521,7 @@ private:
         ~loop_owner() { m_s.m_owner.store(std::thread::id{}); }
 
     private:
-        scheduler& m_s;
+        basic_scheduler& m_s;
     };
 
     [[nodiscard]] std::size_t live_waits(const detail::stream_fifo* f) const noexcept {
@@ -887,7 +906,7 @@ private:
     /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
     /// as a post does, without allocating.
     static void sentinel_fired(void* self) noexcept {
-        auto* s = static_cast<scheduler*>(self);
+        auto* s = static_cast<basic_scheduler*>(self);
         {
             std::lock_guard lock(s->m_remote_mutex);
             s->m_has_remote.store(true, std::memory_order_release);
@@ -1023,66 +1042,90 @@ private:
     std::exception_ptr m_detached_error;
     /// Last: destroyed first, so a sentinel firing during the destructor still finds the
     /// members above (it takes m_remote_mutex), and none fires once it is gone.
-    detail::idle_watch m_idle_watch{&scheduler::sentinel_fired, this};
+    detail::idle_watch m_idle_watch{&basic_scheduler::sentinel_fired, this};
+};
+
+} // namespace detail
+
+/// The event loop. Resumes coroutines when the GPU work they await finished, when their timers
+/// expire, or when other threads post them. (Its members are those of detail::basic_scheduler.)
+class scheduler : public detail::basic_scheduler<> {
+public:
+    using detail::basic_scheduler<>::basic_scheduler;
 };
 
 namespace detail {
 
 /// The scheduler's internals that the library's awaiters and drivers use: sync_wait, the
 /// awaiters below, with_timeout and tests that check the loop itself. Not part of the API.
-struct scheduler_access {
+///
+/// A class template (scheduler_access is its one specialization) so that a call instantiates
+/// only the scheduler members it reaches.
+template <class Unused>
+struct scheduler_access_t {
     using clock = std::chrono::steady_clock;
 
-    static bool add_wait(scheduler& s, cudaStream_t stream, std::coroutine_handle<> h,
+    static bool add_wait(basic_scheduler<Unused>& s, cudaStream_t stream, std::coroutine_handle<> h,
                          cudaError_t& status, const char*& api) noexcept {
         return s.add_wait(stream, h, status, api);
     }
-    static bool add_wait(scheduler& s, cudaEvent_t event, std::coroutine_handle<> h,
+    static bool add_wait(basic_scheduler<Unused>& s, cudaEvent_t event, std::coroutine_handle<> h,
                          cudaError_t& status, const char*& api) noexcept {
         return s.add_wait(event, h, status, api);
     }
-    static void add_timer(scheduler& s, clock::time_point deadline, std::coroutine_handle<> h) {
+    static void add_timer(basic_scheduler<Unused>& s, clock::time_point deadline,
+                          std::coroutine_handle<> h) {
         s.add_timer(deadline, h);
     }
-    static timer_node* add_timer(scheduler& s, clock::time_point deadline,
+    static timer_node* add_timer(basic_scheduler<Unused>& s, clock::time_point deadline,
                                  std::function<void()> fn) {
         return s.add_timer(deadline, std::move(fn));
     }
-    static timer_node* add_daemon_timer(scheduler& s, clock::time_point deadline,
+    static timer_node* add_daemon_timer(basic_scheduler<Unused>& s, clock::time_point deadline,
                                         std::function<void()> fn) {
         return s.add_daemon_timer(deadline, std::move(fn));
     }
-    static void cancel_timer(scheduler& s, timer_node* t) noexcept { s.cancel_timer(t); }
-    [[nodiscard]] static std::uint64_t completed_on(const scheduler& s, int dev) noexcept {
+    static void cancel_timer(basic_scheduler<Unused>& s, timer_node* t) noexcept {
+        s.cancel_timer(t);
+    }
+    [[nodiscard]] static std::uint64_t completed_on(const basic_scheduler<Unused>& s,
+                                                    int dev) noexcept {
         return s.completed_on(dev);
     }
-    static void pending_devices(const scheduler& s, std::vector<int>& out) {
+    static void pending_devices(const basic_scheduler<Unused>& s, std::vector<int>& out) {
         s.pending_devices(out);
     }
-    static std::size_t pending_on(const scheduler& s, int dev, std::vector<cudaStream_t>& out) {
+    static std::size_t pending_on(const basic_scheduler<Unused>& s, int dev,
+                                  std::vector<cudaStream_t>& out) {
         return s.pending_on(dev, out);
     }
-    static std::size_t fail_waits_on(scheduler& s, int dev, std::chrono::nanoseconds d) {
+    static std::size_t fail_waits_on(basic_scheduler<Unused>& s, int dev,
+                                     std::chrono::nanoseconds d) {
         return s.fail_waits_on(dev, d);
     }
-    [[nodiscard]] static const stall_record& last_stall(const scheduler& s) noexcept {
+    [[nodiscard]] static const stall_record& last_stall(const basic_scheduler<Unused>& s) noexcept {
         return s.last_stall();
     }
-    static void child_started(scheduler& s) noexcept { s.child_started(); }
-    static void child_finished(scheduler& s) noexcept { s.child_finished(); }
-    static void resume_soon(scheduler& s, std::coroutine_handle<> h) { s.resume_soon(h); }
-    [[nodiscard]] static bool on_loop_thread(const scheduler& s) noexcept {
+    static void child_started(basic_scheduler<Unused>& s) noexcept { s.child_started(); }
+    static void child_finished(basic_scheduler<Unused>& s) noexcept { s.child_finished(); }
+    static void resume_soon(basic_scheduler<Unused>& s, std::coroutine_handle<> h) {
+        s.resume_soon(h);
+    }
+    [[nodiscard]] static bool on_loop_thread(const basic_scheduler<Unused>& s) noexcept {
         return s.on_loop_thread();
     }
     /// Private streams the scheduler's sentinels made so far (0: none was ever armed).
-    [[nodiscard]] static std::size_t sentinel_streams(const scheduler& s) noexcept {
+    [[nodiscard]] static std::size_t sentinel_streams(const basic_scheduler<Unused>& s) noexcept {
         return s.m_idle_watch.stream_count();
     }
     template <class Pred>
-    static void run_from(scheduler& s, std::coroutine_handle<> first, Pred&& done) {
+    static void run_from(basic_scheduler<Unused>& s, std::coroutine_handle<> first, Pred&& done) {
         s.run_from(first, std::forward<Pred>(done));
     }
 };
+
+/// How the library names the scheduler's internals (see scheduler_access_t).
+using scheduler_access = scheduler_access_t<>;
 
 /// `co_await stream` or `co_await event` (Handle: cudaStream_t or cudaEvent_t): resumes once the
 /// work the stream held at the await, or the work the event captured, finished.
@@ -1119,8 +1162,12 @@ class sleep_awaiter {
 public:
     sleep_awaiter(scheduler& s, std::chrono::nanoseconds d) noexcept : m_scheduler(&s), m_for(d) {}
     bool await_ready() const noexcept { return m_for <= std::chrono::nanoseconds::zero(); }
-    void await_suspend(std::coroutine_handle<> h) {
-        scheduler_access::add_timer(*m_scheduler, std::chrono::steady_clock::now() + m_for, h);
+    /// A template, as schedule_awaiter's: only a coroutine that awaits it instantiates the
+    /// scheduler's timer and post paths.
+    template <class P>
+    void await_suspend(std::coroutine_handle<P> h) {
+        scheduler_access::add_timer(*m_scheduler, std::chrono::steady_clock::now() + m_for,
+                                    std::coroutine_handle<>(h));
     }
     void await_resume() const noexcept {}
 
@@ -1129,15 +1176,14 @@ private:
     std::chrono::nanoseconds m_for;
 };
 
-struct schedule_awaitable {
-    scheduler* target;
-};
-
 class schedule_awaiter {
 public:
     explicit schedule_awaiter(scheduler& s) noexcept : m_scheduler(&s) {}
     bool await_ready() const noexcept { return false; }
-    void await_suspend(std::coroutine_handle<> h) { m_scheduler->post(h); }
+    template <class P>
+    void await_suspend(std::coroutine_handle<P> h) {
+        m_scheduler->post(std::coroutine_handle<>(h));
+    }
     void await_resume() const noexcept {}
 
 private:
@@ -1165,19 +1211,28 @@ inline schedule_awaiter await_on(promise_base& p, schedule_awaitable a, std::sou
     return schedule_awaiter(*a.target);
 }
 
-} // namespace detail
+template <class Unused>
+schedule_awaitable basic_scheduler<Unused>::schedule() noexcept {
+    // Not `return {self()};`: nvcc 13.0's host pass rejects that aggregate initialisation in a
+    // member template ("could not convert"), as g++ on its own does not.
+    schedule_awaitable a;
+    a.target = self();
+    return a;
+}
+template <class Unused>
+wait_awaiter<cudaStream_t> basic_scheduler<Unused>::wait(stream_ref s, std::source_location where) {
+    return {*self(), s.get(), where};
+}
+template <class Unused>
+wait_awaiter<cudaEvent_t> basic_scheduler<Unused>::wait(event_ref e, std::source_location where) {
+    return {*self(), e.get(), where};
+}
+template <class Unused>
+sleep_awaiter basic_scheduler<Unused>::sleep_for(std::chrono::nanoseconds d) {
+    return sleep_awaiter(*self(), d);
+}
 
-inline detail::schedule_awaitable scheduler::schedule() noexcept { return {this}; }
-inline detail::wait_awaiter<cudaStream_t> scheduler::wait(stream_ref s,
-                                                          std::source_location where) {
-    return {*this, s.get(), where};
-}
-inline detail::wait_awaiter<cudaEvent_t> scheduler::wait(event_ref e, std::source_location where) {
-    return {*this, e.get(), where};
-}
-inline detail::sleep_awaiter scheduler::sleep_for(std::chrono::nanoseconds d) {
-    return detail::sleep_awaiter(*this, d);
-}
+} // namespace detail
 
 /// Inside a library coroutine: `co_await sleep_for(10ms)` resumes after at least `d`, without
 /// blocking the scheduler's thread.

@@ -87,17 +87,22 @@ struct timeline_track {
     std::vector<timeline_span> spans;
 };
 
-/// Spans of GPU and host work on one clock, exported as a Chrome trace or an SVG.
-class timeline {
+namespace detail {
+
+/// Everything `timeline` is, as a class template that `timeline` derives from: the members of a
+/// template are instantiated only where they are used, so a translation unit that includes
+/// this header and makes no timeline does not instantiate them. `Unused` is always void.
+template <class Unused = void>
+class basic_timeline {
 public:
     using clock = std::chrono::steady_clock;
     /// The chunk of a span that belongs to none.
     static constexpr std::size_t no_chunk = std::numeric_limits<std::size_t>::max();
 
     /// Time 0 is now.
-    timeline() : m_origin(clock::now()) {}
-    timeline(const timeline&) = delete;
-    timeline& operator=(const timeline&) = delete;
+    basic_timeline() : m_origin(clock::now()) {}
+    basic_timeline(const basic_timeline&) = delete;
+    basic_timeline& operator=(const basic_timeline&) = delete;
 
     /// Nanoseconds from the timeline's start to `t`.
     [[nodiscard]] std::int64_t to_ns(clock::time_point t) const noexcept {
@@ -474,6 +479,16 @@ private:
     mutable std::mutex m_mutex;
     std::vector<timeline_span> m_spans;
     std::map<int, gpu_anchor> m_anchors;
+};
+
+} // namespace detail
+
+/// Spans of GPU and host work on one clock, exported as a Chrome trace or an SVG.
+///
+/// (Its members are those of detail::basic_timeline.)
+class timeline : public detail::basic_timeline<> {
+public:
+    using detail::basic_timeline<>::basic_timeline;
 };
 
 /// A host span on `track` from construction to destruction; records nothing when the

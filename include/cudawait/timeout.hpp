@@ -292,7 +292,10 @@ concept timeout_work =
 /// the work completed. (Destroying a `cudawait::stream` still synchronises it first.)
 /// @throws cuda_error, usage_error at the call (a moved-from stream, no device);
 ///         timeout_error, or cuda_error for a failure the wait observed, at the `co_await`
-[[nodiscard]] inline task<void>
+/// (This overload and the event's are function templates, called as `with_timeout(s, d)`: only
+/// a translation unit that calls them instantiates the coroutine behind them.)
+template <class Unused = void>
+[[nodiscard]] task<void>
 with_timeout(stream_ref s, std::chrono::nanoseconds d,
              std::source_location where = std::source_location::current()) {
     return detail::await_with_timeout<void>(detail::captured_wait::of_stream(s, where), d);
@@ -308,7 +311,8 @@ with_timeout(stream_ref s, std::chrono::nanoseconds d,
 /// the call returned or threw.
 /// @throws cuda_error, usage_error at the call (a moved-from event, no device);
 ///         timeout_error, or cuda_error for a failure the wait observed, at the `co_await`
-[[nodiscard]] inline task<void>
+template <class Unused = void>
+[[nodiscard]] task<void>
 with_timeout(event_ref ev, std::chrono::nanoseconds d,
              std::source_location where = std::source_location::current()) {
     return detail::await_with_timeout<void>(detail::captured_wait::of_event(ev, where), d);

@@ -184,15 +184,19 @@ private:
 
 } // namespace detail
 
-/// Watches the devices a scheduler awaits, and reports (and optionally fails the awaits of) one
-/// that stopped making progress. Not copyable nor movable: the scheduler's timer points to it.
-class watchdog {
+namespace detail {
+
+/// Everything `watchdog` is, as a class template that `watchdog` derives from: the members of a
+/// template are instantiated only where they are used, so a translation unit that includes
+/// this header and makes no watchdog does not instantiate them. `Unused` is always void.
+template <class Unused = void>
+class basic_watchdog {
     using clock = std::chrono::steady_clock;
 
 public:
     /// Starts watching at once; makes no CUDA call until a device has awaits pending.
     /// @throws usage_error when `options.window` is not positive
-    explicit watchdog(scheduler& sched, watchdog_options options = {})
+    explicit basic_watchdog(scheduler& sched, watchdog_options options = {})
         : m_sched(&sched), m_options(std::move(options)),
           m_tick(std::max<std::chrono::nanoseconds>(m_options.window / 32,
                                                     std::chrono::microseconds(100))) {
@@ -201,12 +205,12 @@ public:
         }
         arm(clock::now());
     }
-    watchdog(const watchdog&) = delete;
-    watchdog& operator=(const watchdog&) = delete;
+    basic_watchdog(const basic_watchdog&) = delete;
+    basic_watchdog& operator=(const basic_watchdog&) = delete;
 
     /// Stops watching. A heartbeat still in flight keeps its stream and event: a task on the
     /// scheduler releases them once it finished (run() and the scheduler's destructor wait).
-    ~watchdog() {
+    ~basic_watchdog() {
         detail::scheduler_access::cancel_timer(*m_sched, m_timer);
         for (auto& d : m_devices) {
             if (d && d->in_flight) {
@@ -380,6 +384,17 @@ private:
     std::vector<std::unique_ptr<device_state>> m_devices; ///< by device id
     std::vector<int> m_busy;
     std::size_t m_stalls = 0;
+};
+
+} // namespace detail
+
+/// Watches the devices a scheduler awaits, and reports (and optionally fails the awaits of) one
+/// that stopped making progress. Not copyable nor movable: the scheduler's timer points to it.
+///
+/// (Its members are those of detail::basic_watchdog.)
+class watchdog : public detail::basic_watchdog<> {
+public:
+    using detail::basic_watchdog<>::basic_watchdog;
 };
 
 } // namespace cudawait

@@ -23,7 +23,10 @@ namespace cudawait {
 /// The link's one-way peak in GB/s for `device`: the better of H2D and D2H for 64 MiB pinned
 /// copies, measured on first use (a few milliseconds) and cached for the process.
 /// @throws cuda_error
-inline double link_peak_gbps(int device) {
+/// (A function template, called as `link_peak_gbps(dev)`: only a translation unit that calls it
+/// instantiates the measurement, its buffers and the pinned pool behind them.)
+template <class Unused = void>
+double link_peak_gbps(int device) {
     static std::mutex mutex;
     static std::map<int, double> cache;
     {

@@ -20,7 +20,8 @@ namespace cudawait::detail {
 /// device_numa_node(dev), asked once per device for the process (a driver query and possibly a
 /// sysfs read, too slow for every copy).
 /// @throws cuda_error for a bad device id
-[[nodiscard]] inline int cached_device_numa_node(int dev) {
+template <class Unused = void>
+[[nodiscard]] int cached_device_numa_node(int dev) {
     static std::mutex m;
     static std::vector<int> nodes; // -2: not asked yet
     std::lock_guard lock(m);
@@ -42,7 +43,9 @@ namespace cudawait::detail {
 /// checked.
 /// @throws usage_error in a child process after fork() (as default_pinned_pool); cuda_error for
 ///         a bad device id on a machine with several nodes
-[[nodiscard]] inline pinned_pool& staging_pool_for_device(int dev) {
+/// (A template, as numa_pinned_pool and default_pinned_pool are.)
+template <class Unused = void>
+[[nodiscard]] pinned_pool& staging_pool_for_device(int dev) {
     static const int node_count = numa_node_count();
     if (node_count <= 1) {
         return default_pinned_pool();

@@ -9,7 +9,9 @@
 //   bind_to_node(p, bytes, node, mode)   mbind: pages faulted in later land on `node`
 //   page_numa_node(p)              the node holding the (faulted) page at p: get_mempolicy
 //   fault_in(p, bytes)             first touch of every page, on several threads
-// `root` is empty for the real files; tests point it at a fake tree. The mbind and
+// `root` is empty for the real files; tests point it at a fake tree. The functions are templates
+// (called with their default argument) so that only a translation unit that calls them
+// instantiates the containers, threads and parsing they use. The mbind and
 // get_mempolicy constants are defined here because <numaif.h> comes with libnuma's headers,
 // which the library must not need.
 
@@ -62,7 +64,8 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 
 /// The node ids listed under `root`/sys/devices/system/node (node0, node1, ...), ascending;
 /// empty where the directory is missing or unreadable (not Linux, or sysfs hidden).
-[[nodiscard]] inline std::vector<int> numa_node_ids(const std::string& root = {}) {
+template <class Unused = void>
+[[nodiscard]] std::vector<int> numa_node_ids(const std::string& root = {}) {
     std::vector<int> ids;
 #if defined(__unix__)
     DIR* dir = ::opendir((root + "/sys/devices/system/node").c_str());
@@ -88,7 +91,8 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 }
 
 /// The number of NUMA nodes; 1 where sysfs does not tell (every machine has one node at least).
-[[nodiscard]] inline int numa_node_count(const std::string& root = {}) noexcept {
+template <class Unused = void>
+[[nodiscard]] int numa_node_count(const std::string& root = {}) noexcept {
     try {
         return std::max<int>(1, static_cast<int>(numa_node_ids(root).size()));
     } catch (const std::exception&) {
@@ -97,7 +101,8 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 }
 
 /// True when `node` is a node of this machine; where sysfs does not tell, only node 0 is.
-[[nodiscard]] inline bool numa_node_exists(int node, const std::string& root = {}) noexcept {
+template <class Unused = void>
+[[nodiscard]] bool numa_node_exists(int node, const std::string& root = {}) noexcept {
     if (node < 0) {
         return false;
     }
@@ -116,7 +121,8 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 /// ("0000:3B:00.0"; an 8-digit domain is accepted too). sysfs names devices in lower case with
 /// a 4-digit domain. -1 when the file is missing or holds no node (sysfs itself writes -1 on a
 /// machine without NUMA).
-[[nodiscard]] inline int pci_numa_node(std::string_view bus_id, const std::string& root = {}) {
+template <class Unused = void>
+[[nodiscard]] int pci_numa_node(std::string_view bus_id, const std::string& root = {}) {
     std::size_t colon = bus_id.find(':');
     if (colon == std::string_view::npos || colon == 0) {
         return -1;
@@ -158,7 +164,8 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 /// cudaDevAttrNumaId: that is the node of the GPU's own memory, set only where the GPU is a
 /// NUMA node, as on Grace Hopper, and -1 for a PCIe or SXM GPU in an x86 host.)
 /// @throws cuda_error (cudaErrorInvalidDevice for a bad id; no driver, no device)
-[[nodiscard]] inline int device_numa_node(int dev) {
+template <class Unused = void>
+[[nodiscard]] int device_numa_node(int dev) {
     device_ref d(dev);
 #if CUDART_VERSION >= 12020
     int node = -1;
@@ -183,7 +190,8 @@ inline constexpr unsigned long mpol_f_addr = 1UL << 1;
 /// (mpol_bind: only from it; mpol_preferred: from it while it has free memory).
 /// @throws std::system_error with the errno of mbind (EPERM where a container's seccomp
 ///         profile forbids it, EINVAL for a node without memory, ENOSYS where there is no mbind)
-inline void bind_to_node(void* p, std::size_t bytes, int node, int mode) {
+template <class Unused = void>
+void bind_to_node(void* p, std::size_t bytes, int node, int mode) {
 #if defined(__linux__) && defined(SYS_mbind)
     constexpr std::size_t bits = sizeof(unsigned long) * 8;
     std::vector<unsigned long> mask(static_cast<std::size_t>(node) / bits + 1, 0UL);
@@ -208,7 +216,8 @@ inline void bind_to_node(void* p, std::size_t bytes, int node, int mode) {
 /// MPOL_F_ADDR).
 /// @throws std::system_error with the errno of get_mempolicy (EPERM where a seccomp profile
 ///         forbids it, ENOSYS where there is none)
-[[nodiscard]] inline int page_numa_node(const void* p) {
+template <class Unused = void>
+[[nodiscard]] int page_numa_node(const void* p) {
 #if defined(__linux__) && defined(SYS_get_mempolicy)
     int node = -1;
     if (::syscall(SYS_get_mempolicy, &node, nullptr, 0UL, const_cast<void*>(p),
@@ -225,7 +234,8 @@ inline void bind_to_node(void* p, std::size_t bytes, int node, int mode) {
 /// Writes one byte of every 4 KiB page of [p, p + bytes), on one thread per 64 MiB up to the
 /// hardware's threads: the kernel's page zeroing is the cost, and it runs in parallel. The pages
 /// are placed by the range's NUMA policy, not by the threads that touch them.
-inline void fault_in(std::byte* p, std::size_t bytes) {
+template <class Unused = void>
+void fault_in(std::byte* p, std::size_t bytes) {
     constexpr std::size_t page = 4096;
     unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     auto n = static_cast<unsigned>(std::clamp<std::size_t>(bytes >> 26, 1, hw));

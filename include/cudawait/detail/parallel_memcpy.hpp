@@ -34,7 +34,8 @@
 
 namespace cudawait::detail {
 
-class memcpy_workers {
+template <class = void>
+class basic_memcpy_workers {
 public:
     /// Parts smaller than this are not worth a thread's wake-up.
     static constexpr std::size_t min_part = std::size_t{1} << 20;
@@ -47,13 +48,15 @@ public:
     /// them would never finish) and their queues' locks may be held by a thread that is gone.
     /// The set holds no CUDA state, so the child gets a fresh one; the inherited set is left
     /// alone, never touched nor destroyed. The same holds for the two sets below.
-    static memcpy_workers& instance() { return process_wide<0>(default_threads()); }
+    static basic_memcpy_workers& instance() { return process_wide<0>(default_threads()); }
 
     /// The pipeline's stage-in workers (pageable -> pinned): stage_threads() of them, none of
     /// them the caller (copy_async).
-    static memcpy_workers& stage_in_workers() { return process_wide<1>(stage_threads() + 1); }
+    static basic_memcpy_workers& stage_in_workers() { return process_wide<1>(stage_threads() + 1); }
     /// The pipeline's stage-out workers (pinned -> pageable), as many, threads of their own.
-    static memcpy_workers& stage_out_workers() { return process_wide<2>(stage_threads() + 1); }
+    static basic_memcpy_workers& stage_out_workers() {
+        return process_wide<2>(stage_threads() + 1);
+    }
 
     /// Worker threads of each stage direction: half the hardware threads (1 at least, 16 at
     /// most), so that both directions together use every core; on the measured 16-core host 8 +
@@ -63,7 +66,7 @@ public:
         return std::clamp(hw / 2, 1u, 16u);
     }
 
-    explicit memcpy_workers(unsigned threads) {
+    explicit basic_memcpy_workers(unsigned threads) {
         for (unsigned i = 0; i + 1 < threads; ++i) {
             auto w = std::make_unique<worker>();
             try {
@@ -74,9 +77,9 @@ public:
             m_workers.push_back(std::move(w));
         }
     }
-    memcpy_workers(const memcpy_workers&) = delete;
-    memcpy_workers& operator=(const memcpy_workers&) = delete;
-    ~memcpy_workers() {
+    basic_memcpy_workers(const basic_memcpy_workers&) = delete;
+    basic_memcpy_workers& operator=(const basic_memcpy_workers&) = delete;
+    ~basic_memcpy_workers() {
         for (auto& w : m_workers) {
             {
                 std::lock_guard lock(w->mutex);
@@ -157,7 +160,7 @@ public:
 private:
     struct current {
         fork_stamp stamp; ///< the process the set was made in
-        std::unique_ptr<memcpy_workers> workers;
+        std::unique_ptr<basic_memcpy_workers> workers;
     };
 
     /// One copy_async: the parts still to copy, and what the last one calls.
@@ -225,7 +228,7 @@ private:
     // The process-wide set number `which`, made with `threads` on first use (and again in a
     // child created by fork()); never destroyed.
     template <int which>
-    static memcpy_workers& process_wide(unsigned threads) {
+    static basic_memcpy_workers& process_wide(unsigned threads) {
         static std::atomic<current*> now{nullptr};
         for (;;) {
             current* c = now.load(std::memory_order_acquire);
@@ -233,7 +236,7 @@ private:
                 return *c->workers;
             }
             auto fresh = std::make_unique<current>();
-            fresh->workers = std::make_unique<memcpy_workers>(threads);
+            fresh->workers = std::make_unique<basic_memcpy_workers>(threads);
             if (now.compare_exchange_strong(c, fresh.get(), std::memory_order_acq_rel)) {
                 return *fresh.release()->workers; // never destroyed, as said above
             }
@@ -249,5 +252,9 @@ private:
     std::vector<std::unique_ptr<worker>> m_workers;
     std::atomic<std::size_t> m_next_worker{0}; ///< copy_async: where the next copy's parts start
 };
+
+/// The memcpy workers (basic_memcpy_workers: a class template of an unused
+/// parameter, so that only a translation unit that copies through them instantiates them).
+using memcpy_workers = basic_memcpy_workers<>;
 
 } // namespace cudawait::detail

@@ -28,8 +28,11 @@
 
 namespace cudawait::detail {
 
-/// Stage timing, alerts and statistics of one pipeline.
-class pipeline_monitor {
+/// Everything pipeline_monitor is, as a class template it derives from: the pipelines (class
+/// templates themselves) instantiate its members where they are used, not every translation unit
+/// that includes the header. `Unused` is always void.
+template <class Unused = void>
+class basic_pipeline_monitor {
 public:
     /// Where a chunk's timing events are recorded: start and end of each stage (a replayed
     /// graph records h2d_start and d2h_end only).
@@ -48,7 +51,7 @@ public:
     /// per device and process); a timeline is anchored to the device's clock here, before any
     /// chunk runs.
     /// @throws cuda_error
-    pipeline_monitor(const pipeline_options& o, std::size_t sets) : m_options(&o) {
+    basic_pipeline_monitor(const pipeline_options& o, std::size_t sets) : m_options(&o) {
         if (!o.timing && o.timeline == nullptr) {
             return;
         }
@@ -319,6 +322,13 @@ private:
     latency_window m_latency;
     std::vector<chunk_failure> m_failures;
     std::size_t m_give_ups = 0;
+};
+
+/// Stage timing, alerts and statistics of one pipeline. (Its members are those of
+/// basic_pipeline_monitor.)
+class pipeline_monitor : public basic_pipeline_monitor<> {
+public:
+    using basic_pipeline_monitor<>::basic_pipeline_monitor;
 };
 
 } // namespace cudawait::detail

@@ -33,26 +33,32 @@
 namespace cudawait::detail {
 
 /// Copies `bytes` of pageable `src` into page-locked `pinned_dst` (several threads).
-inline void stage_in(void* pinned_dst, const void* src, std::size_t bytes, std::size_t index) {
+template <class = void>
+void stage_in(void* pinned_dst, const void* src, std::size_t bytes, std::size_t index) {
     trace_range r("stage-in", index);
     memcpy_workers::instance().copy(pinned_dst, src, bytes);
 }
 
 /// Copies `bytes` of page-locked `pinned_src` out to pageable `dst` (several threads).
-inline void stage_out(void* dst, const void* pinned_src, std::size_t bytes, std::size_t index) {
+template <class = void>
+void stage_out(void* dst, const void* pinned_src, std::size_t bytes, std::size_t index) {
     trace_range r("stage-out", index);
     memcpy_workers::instance().copy(dst, pinned_src, bytes);
 }
 
 /// A pageable <-> device copy through a ring of pinned chunks, as a state machine: advance()
 /// does everything that needs no waiting and returns the event to wait for next, or nullptr.
-/// The blocking copy waits with cudaEventSynchronize, the awaitable one with co_await.
-class staged_copy {
+/// The blocking copy waits with cudaEventSynchronize, the awaitable one with co_await. A class
+/// template of an unused parameter (staged_copy names it), so that only a translation unit that
+/// stages a copy instantiates it.
+template <class = void>
+class basic_staged_copy {
 public:
     /// `chunk_bytes` and `depth` as in copy_options (clamped to 4 KiB and 2..64).
     /// @throws std::bad_alloc, cuda_error
-    staged_copy(std::byte* dst, const std::byte* src, std::size_t n, bool to_device, stream_ref s,
-                pinned_pool& pool, std::size_t chunk_bytes, unsigned depth_wanted)
+    basic_staged_copy(std::byte* dst, const std::byte* src, std::size_t n, bool to_device,
+                      stream_ref s, pinned_pool& pool, std::size_t chunk_bytes,
+                      unsigned depth_wanted)
         : m_dst(dst), m_src(src), m_bytes(n), m_to_device(to_device), m_stream(s), m_pool(&pool) {
         std::size_t chunk = std::max<std::size_t>(chunk_bytes, 4096);
         m_chunk = std::min(chunk, n);
@@ -66,9 +72,9 @@ public:
             m_slots.push_back({pinned_buffer<std::byte>(m_chunk, pool), events.acquire()});
         }
     }
-    staged_copy(const staged_copy&) = delete;
-    staged_copy& operator=(const staged_copy&) = delete;
-    ~staged_copy() { release_buffers(); }
+    basic_staged_copy(const basic_staged_copy&) = delete;
+    basic_staged_copy& operator=(const basic_staged_copy&) = delete;
+    ~basic_staged_copy() { release_buffers(); }
 
     /// Progress without waiting; the event to wait on next, or nullptr when the copy needs no
     /// more host work (host to device: all enqueued; device to host: all written).
@@ -165,5 +171,8 @@ private:
     bool m_in_flight = false;
     std::vector<slot> m_slots;
 };
+
+/// The staged copy (basic_staged_copy).
+using staged_copy = basic_staged_copy<>;
 
 } // namespace cudawait::detail
