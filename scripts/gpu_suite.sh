@@ -62,6 +62,10 @@ if has memcheck; then
   # The copy lanes: the test that a lane copy passes a busy stream times it against a kernel.
   run_memcheck copy_lane_test '-*without_a_device*:*does_not_wait*' 180
   run_memcheck event_test "$failing_calls" 120 --report-api-errors no
+  # Registered ranges (cudaHostRegister) and the stage workers' host copies.
+  run_memcheck host_registration_test '-*without_a_device*:*no_device*:*registering_twice*' 180
+  run_memcheck host_registration_test '*registering_twice*' 120 --report-api-errors no
+  run_memcheck parallel_memcpy_test '*' 180
   failing_launches='*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*throwing_fallback*:*writes_the_report*:*depth_recovers*'
   # The chunk-size, stage-overlap and slow-chunk tests compare times, which the sanitizer skews.
   run_memcheck pipeline_test \
@@ -101,7 +105,7 @@ fi
 if has racecheck; then
   echo "== compute-sanitizer racecheck"
   : >"$logs/racecheck.log"
-  for t in pinned_pool pinned_buffer device_buffer mapped_buffer copy pipeline; do
+  for t in pinned_pool pinned_buffer device_buffer mapped_buffer copy host_registration pipeline; do
     timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
       "$build/tests/${t}_test" \
       --gtest_filter='-*no_device*:*without_a_device*:*sticky_fault*:*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*throwing_fallback*:*timeout*:*hung*:*impossible_size*:*suggested_chunk_size*:*churn*:*overlap*' \
