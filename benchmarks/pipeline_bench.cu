@@ -52,7 +52,9 @@
 //        BM_chunk/<size>/grouped_graph      the same in graph mode: one graph (the group's
 //                                           copies and per-chunk launches) per group
 //        BM_chunk/<size>/group_stage        a group stage: one light launch over the group
-//      Summary: per size, the best of these three (named) / the 64 MiB figure (the better of
+//        BM_chunk/<size>/group_stage_16MiB  the same with group_bytes = 16 MiB (256, 64 and 16
+//                                           chunks per group)
+//      Summary: per size, the best of these four (named) / the 64 MiB figure (the better of
 //      plain and graph at the specified depth): 1 MiB >= 0.95, 256 KiB >= 0.85, 64 KiB >= 0.5.
 //   4. Host memory, light kernel, 64 MiB chunks, depth 3, 4 GiB (one pipeline, runs alternating):
 //        BM_host_memory/pinned              the pinned input and output of 1
@@ -94,7 +96,11 @@
 //                                           each way per run of items)
 //        BM_stream_small/group_stage_depth8 the same at depth 8 with a group stage: one light
 //                                           launch per run of items
-//      Summary: the best variant (named) / the 64 MiB batch figure of 3 (>= 0.35).
+//        BM_stream_small/host_fill_bound    no GPU: the producer's and consumer's memcpy of every
+//                                           item alone, on one thread, through 32 MiB pinned rings
+//                                           (the bound of this producer and consumer)
+//      Summary: the best variant (named) / the 64 MiB batch figure of 3 (>= 0.35); the best
+//      variant / host_fill_bound, and host_fill_bound / the 64 MiB figure, for information.
 //
 // GB/s means 10^9 input bytes per second of host wall time (steady_clock around the whole
 // batch, including its synchronisation); every figure in the summary is a median. All variants
@@ -195,7 +201,10 @@ struct group_target {
     double target;
 };
 constexpr group_target kGroupTargets[] = {{64_KiB, 0.5}, {256_KiB, 0.85}, {1_MiB, 0.95}};
-constexpr const char* kGroupVariants[] = {"grouped", "grouped_graph", "group_stage"};
+constexpr const char* kGroupVariants[] = {"grouped", "grouped_graph", "group_stage",
+                                          "group_stage_16MiB"};
+/// The group size of the group_stage_16MiB variant (64 KiB chunks: max_group_chunks).
+constexpr std::size_t kLargeGroupBytes = 16_MiB;
 
 /// 7. Streaming small items.
 constexpr std::size_t kStreamItemBytes = 64_KiB;
@@ -212,6 +221,9 @@ std::string stream_group_name(const stream_group_case& c) {
            std::to_string(c.depth);
 }
 constexpr double kStreamTarget = 0.35; ///< streaming / the 64 MiB batch figure, at least
+/// 7, the host copies alone: the producer's and consumer's memcpy per item, one thread.
+constexpr const char* kStreamFillBound = "host_fill_bound";
+constexpr std::size_t kStreamFillRingBytes = 32_MiB;
 /// Section 4: pageable / host-copy bound, and registered / pinned, at least.
 constexpr double kPageableTarget = 0.85;
 constexpr double kRegisteredTarget = 0.90;
@@ -316,16 +328,17 @@ struct light_group_stage {
 };
 
 /// A light pipeline in chunk groups of default_group_bytes: variant 0 grouped (per-chunk
-/// stage), 1 grouped_graph, 2 group_stage.
+/// stage), 1 grouped_graph, 2 group_stage; 3 group_stage_16MiB (groups of kLargeGroupBytes).
 std::unique_ptr<float_pipeline> make_grouped_pipeline(std::size_t variant, unsigned depth,
                                                       std::size_t chunk) {
     cudawait::pipeline_options o;
     o.depth = depth;
     o.chunk_elements = chunk;
-    o.group_bytes = cudawait::pipeline_options::default_group_bytes;
+    o.group_bytes =
+        variant == 3 ? kLargeGroupBytes : cudawait::pipeline_options::default_group_bytes;
     o.graph = variant == 1;
     std::vector<float_pipeline::stage> stages;
-    if (variant == 2) {
+    if (variant >= 2) {
         stages.emplace_back(light_group_stage{});
     } else {
         stages.emplace_back(light_stage{});
@@ -492,7 +505,7 @@ runs_by_variant measure_chunk_case(chunk_case c) {
         // The grouped variants at the specified depth, side by side.
         const std::unique_ptr<float_pipeline> grouped[] = {
             make_grouped_pipeline(0, c.depth, chunk), make_grouped_pipeline(1, c.depth, chunk),
-            make_grouped_pipeline(2, c.depth, chunk)};
+            make_grouped_pipeline(2, c.depth, chunk), make_grouped_pipeline(3, c.depth, chunk)};
         runs.merge(interleaved(kRounds, kGroupVariants, [&](std::size_t v) {
             return checked_library_run(work::light, sched, *grouped[v], w.in.data(), w.out.data(),
                                        n, "chunk/" + size_name(c.bytes) + "/" + kGroupVariants[v]);
@@ -800,7 +813,25 @@ runs_by_variant measure_stream_small() {
         pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
         names.push_back(stream_group_name(c));
     }
+    // The bound of this producer and consumer: their host copies alone, on one thread, through
+    // pinned rings as large as the grouped variants' slots (no GPU work).
+    const std::size_t ring_items = kStreamFillRingBytes / kStreamItemBytes;
+    cudawait::pinned_buffer<float> ring_in(ring_items * item, w.pool);
+    cudawait::pinned_buffer<float> ring_out(ring_items * item, w.pool);
+    std::memset(ring_out.data(), 0x5a, ring_out.size() * sizeof(float));
+    names.push_back(kStreamFillBound);
     return interleaved(kRounds, names, [&](std::size_t v) {
+        if (v == pipes.size()) {
+            return time_host([&] {
+                std::size_t slot = 0;
+                for (std::size_t off = 0; off < n; off += item, slot = (slot + 1) % ring_items) {
+                    const std::size_t k = std::min(item, n - off);
+                    std::memcpy(ring_in.data() + slot * item, w.in.data() + off, k * sizeof(float));
+                    std::memcpy(w.out.data() + off, ring_out.data() + slot * item,
+                                k * sizeof(float));
+                }
+            });
+        }
         poison(w, work::light, w.out.data(), n, item);
         const double secs = time_host([&] {
             cudawait::sync_wait(sched,
@@ -883,6 +914,8 @@ void register_benchmarks() {
         const std::string v = stream_group_name(c);
         register_manual("BM_stream_small/" + v, kRounds, &BM_stream_small, v);
     }
+    register_manual(std::string("BM_stream_small/") + kStreamFillBound, kRounds, &BM_stream_small,
+                    std::string(kStreamFillBound));
 }
 
 void print_calibration() {
@@ -1079,8 +1112,9 @@ void print_chunk_summary() {
         if (!best) {
             continue;
         }
-        std::printf("  %s in groups of %s:", size_name(t.bytes).c_str(),
-                    size_name(cudawait::pipeline_options::default_group_bytes).c_str());
+        std::printf("  %s in groups of %s (16MiB: %s):", size_name(t.bytes).c_str(),
+                    size_name(cudawait::pipeline_options::default_group_bytes).c_str(),
+                    size_name(kLargeGroupBytes).c_str());
         for (const char* v : kGroupVariants) {
             print_cell(find(g_chunk_gbps, size_name(t.bytes) + "/" + v), 0, 2);
             std::printf(" GB/s %s ", v);
@@ -1215,8 +1249,14 @@ void print_stream_summary() {
             name = v;
         }
     }
+    const auto bound = find(g_stream_gbps, kStreamFillBound);
+    print_row(kStreamFillBound, 22, {{bound, 8, 2, " GB/s"}});
     print_ratio("streaming " + size_name(kStreamItemBytes) + " items (" + name + ") / 64 MiB batch",
                 best, reference_64mib(), kStreamTarget);
+    print_ratio("streaming (" + name + ") / host_fill_bound (for information)", best, bound,
+                std::nullopt);
+    print_ratio("host_fill_bound / 64 MiB batch (for information)", bound, reference_64mib(),
+                std::nullopt);
 }
 
 void print_summary() {
