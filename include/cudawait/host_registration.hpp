@@ -9,7 +9,7 @@
 //   reg.data(), reg.size(), reg.bytes(), reg.reset(), explicit operator bool
 //
 // For a user who reuses the same pageable buffers (a std::vector filled again for every batch):
-// registering them once costs about 43 ms per GiB (on the measured H200 machine, touched memory)
+// registering them once costs 40-65 ms per GiB (on the measured H200 machine, touched memory)
 // and makes every later transfer run at the pinned rate, where staging through the pool's
 // page-locked chunks is bounded by the host's memcpy bandwidth.
 //
