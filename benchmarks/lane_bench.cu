@@ -19,6 +19,9 @@
 //                            blocks the scheduler's thread until the bytes are in place)
 //     sm_copy                a one-block kernel of 16-byte loads and stores over the pinned
 //                            memory on the small lane's stream: the SMs copy, no copy engine
+//     lane_sm                co_await copy(dst, src, options) with options.sm_copy_bytes =
+//                            64 KiB: the library's small lane, its copy made by the SMs
+//                            (detail/sm_copy.hpp)
 //     lane_pieces_<P>MiB     lane, while the pipeline copies its chunks in pieces of P MiB
 //                            (pipeline_options::copy_piece_bytes, P = 4)
 //   Bulk (BM_bulk/<setting>, seconds per run of kBulkBytes each way):
@@ -96,7 +99,15 @@ constexpr float kB = 0.25f;
 constexpr double kLatencyTarget = 1.5; ///< under bulk / idle, at most (median)
 constexpr double kBulkTarget = 0.98;   ///< bulk with small copies or pieces / alone, at least
 
-enum class kind { plain, high_priority, lane, lane_pageable, lane_pageable_direct, sm_copy };
+enum class kind {
+    plain,
+    high_priority,
+    lane,
+    lane_pageable,
+    lane_pageable_direct,
+    sm_copy,
+    lane_sm
+};
 
 struct variant {
     std::string name;
@@ -110,7 +121,8 @@ std::vector<variant> variants() {
                               {"lane", kind::lane, 0},
                               {"lane_pageable", kind::lane_pageable, 0},
                               {"lane_pageable_direct", kind::lane_pageable_direct, 0},
-                              {"sm_copy", kind::sm_copy, 0}};
+                              {"sm_copy", kind::sm_copy, 0},
+                              {"lane_sm", kind::lane_sm, 0}};
     for (std::size_t p : kPieceMiB) {
         v.push_back({"lane_pieces_" + std::to_string(p) + "MiB", kind::lane, p * 1_MiB});
     }
@@ -248,6 +260,13 @@ cudawait::task<void> sm_copy_on_lane(void* dst, const void* src, cudawait::copy_
     co_await s;
 }
 
+/// The lane_sm variant's options: small-lane copies made by the SMs.
+cudawait::copy_options sm_options() {
+    cudawait::copy_options o;
+    o.sm_copy_bytes = 64_KiB;
+    return o;
+}
+
 cudawait::task<void> small_h2d(small_context& c, kind how) {
     cudawait::pinned_buffer<std::uint32_t>& pinned = c.pinned_src;
     switch (how) {
@@ -268,6 +287,9 @@ cudawait::task<void> small_h2d(small_context& c, kind how) {
         break;
     case kind::sm_copy:
         co_await sm_copy_on_lane(c.dev.data(), pinned.data(), cudawait::copy_direction::h2d);
+        break;
+    case kind::lane_sm:
+        co_await cudawait::copy(c.dev, pinned, sm_options());
         break;
     }
 }
@@ -293,6 +315,9 @@ cudawait::task<void> small_d2h(small_context& c, kind how) {
         break;
     case kind::sm_copy:
         co_await sm_copy_on_lane(pinned.data(), c.dev.data(), cudawait::copy_direction::d2h);
+        break;
+    case kind::lane_sm:
+        co_await cudawait::copy(pinned, c.dev, sm_options());
         break;
     }
 }

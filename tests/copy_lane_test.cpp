@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// copy_lane.hpp: the per-device transfer streams, and the pipeline's copies in pieces
+// copy_lane.hpp: the per-device transfer streams, the pipeline's copies in pieces
 // (pipeline_options::copy_piece_bytes, detail/copy_pieces.hpp) that let a small copy pass
-// between them. Copies through the lanes, element by element, are in copy_test.cpp.
+// between them, and small copies made by the SMs (copy_options::sm_copy_bytes,
+// detail/sm_copy.hpp). Copies through the lanes, element by element, are in copy_test.cpp.
 #include <cudawait/copy.hpp>
 #include <cudawait/copy_lane.hpp>
 #include <cudawait/device_buffer.hpp>
@@ -11,6 +12,7 @@
 #include <cudawait/sync_wait.hpp>
 
 #include <cudawait/detail/copy_pieces.hpp>
+#include <cudawait/detail/sm_copy.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -223,6 +225,142 @@ TEST_F(copy_lane_gpu, a_pipeline_copying_in_pieces_produces_every_element) {
                                         std::span<u32>(pin_out.data(), total)));
     EXPECT_EQ(std::memcmp(pin_out.data(), want.data(), total * sizeof(u32)), 0) << "pinned";
     EXPECT_EQ(pipe.stats().gpu_chunks, 8u);
+}
+
+} // namespace
+
+namespace {
+
+// ---- small copies made by the SMs ----------------------------------------------------------
+
+TEST(copy_lane, sm_copies_are_off_by_default) {
+    EXPECT_EQ(cudawait::copy_options{}.sm_copy_bytes, 0u);
+    EXPECT_NE(std::strstr(cudawait::detail::sm_copy_ptx, cudawait::detail::sm_copy_kernel_name),
+              nullptr);
+}
+
+/// Random bytes.
+std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::vector<std::uint8_t> v(n);
+    for (auto& b : v) {
+        b = static_cast<std::uint8_t>(rng());
+    }
+    return v;
+}
+
+// Every size and alignment the kernel treats differently (16-byte words, 4-byte words, bytes;
+// one block and several), both ways between device and pool memory: every byte of the range
+// arrives and none around it is touched.
+TEST_F(copy_lane_gpu, sm_copies_are_exact_for_any_size_and_alignment) {
+    constexpr std::size_t cap = 64_KiB + 64;
+    cudawait::stream s;
+    cudawait::device_buffer<std::uint8_t> dev(cap + 64, s);
+    cudawait::pinned_buffer<std::uint8_t> host(cap + 64);
+    cudawait::scheduler sched;
+    cudawait::copy_options o;
+    o.sm_copy_bytes = 64_KiB + 32;
+    std::uint32_t seed = 100;
+    for (std::size_t bytes :
+         {std::size_t{1}, std::size_t{3}, std::size_t{4}, std::size_t{16}, std::size_t{100},
+          std::size_t{4096}, std::size_t{4100}, std::size_t{64_KiB}, std::size_t{64_KiB + 20}}) {
+        for (std::size_t offset :
+             {std::size_t{0}, std::size_t{1}, std::size_t{4}, std::size_t{16}}) {
+            SCOPED_TRACE(::testing::Message() << bytes << " bytes at offset " << offset);
+            const auto want = random_bytes(bytes, ++seed);
+            // H2D: pool memory into device memory poisoned with 0xcd.
+            ASSERT_EQ(cudaMemsetAsync(dev.data(), 0xcd, dev.size(), s.get()), cudaSuccess);
+            s.sync();
+            std::memset(host.data(), 0x11, host.size());
+            std::memcpy(host.data() + offset, want.data(), bytes);
+            cudawait::sync_wait(
+                sched, cudawait::copy(std::span(dev.data() + offset, bytes),
+                                      std::span<const std::uint8_t>(host.data() + offset, bytes),
+                                      lane::small, o));
+            std::vector<std::uint8_t> seen(dev.size());
+            ASSERT_EQ(cudaMemcpy(seen.data(), dev.data(), dev.size(), cudaMemcpyDeviceToHost),
+                      cudaSuccess);
+            for (std::size_t i = 0; i < seen.size(); ++i) {
+                const bool inside = i >= offset && i < offset + bytes;
+                ASSERT_EQ(seen[i], inside ? want[i - offset] : 0xcd) << "device byte " << i;
+            }
+            // D2H: the device bytes back into pool memory poisoned with 0xab, through the
+            // default lane choice (copy(dst, src, options): small for this size).
+            std::memset(host.data(), 0xab, host.size());
+            cudawait::sync_wait(
+                sched,
+                cudawait::copy(std::span(host.data() + offset, bytes),
+                               std::span<const std::uint8_t>(dev.data() + offset, bytes), o));
+            for (std::size_t i = 0; i < host.size(); ++i) {
+                const bool inside = i >= offset && i < offset + bytes;
+                ASSERT_EQ(host[i], inside ? want[i - offset] : 0xab) << "host byte " << i;
+            }
+        }
+    }
+}
+
+// Memory the SMs cannot reach, or copies over the limit, take the copy engine as before, with
+// sm_copy_bytes set: pageable host memory (staged), and a copy one byte over the limit.
+TEST_F(copy_lane_gpu, copies_the_sms_do_not_make_are_exact_too) {
+    cudawait::stream s;
+    const std::size_t n = 2048;
+    cudawait::device_buffer<u32> dev(n, s);
+    s.sync();
+    cudawait::scheduler sched;
+    cudawait::copy_options o;
+    o.sm_copy_bytes = n * sizeof(u32) - 1;
+    cudawait::pinned_buffer<u32> pinned(n);
+    for (bool pageable : {true, false}) {
+        SCOPED_TRACE(pageable ? "pageable" : "pinned over the limit");
+        const auto want = random_words(n, pageable ? 71 : 72);
+        std::vector<u32> back(n, 0xdeadbeef);
+        if (pageable) {
+            cudawait::sync_wait(sched, cudawait::copy(dev, want, lane::small, o));
+            cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small, o));
+        } else {
+            std::copy(want.begin(), want.end(), pinned.data());
+            cudawait::sync_wait(sched, cudawait::copy(dev, pinned, lane::small, o));
+            std::fill(pinned.data(), pinned.data() + n, 0xdeadbeef);
+            cudawait::sync_wait(sched, cudawait::copy(pinned, dev, lane::small, o));
+            std::copy(pinned.data(), pinned.data() + n, back.begin());
+        }
+        EXPECT_EQ(back, want);
+    }
+}
+
+// The point of it: a small device-to-host copy made by the SMs completes while a bulk copy the
+// engine took first is still running (1 GiB, about 20 ms at the link's rate).
+TEST_F(copy_lane_gpu, an_sm_copy_does_not_wait_for_a_bulk_copy_on_the_engine) {
+    cudawait::stream s;
+    const std::size_t big = std::size_t{1} << 30;
+    cudawait::device_buffer<std::uint8_t> bulk_src(big, s);
+    cudawait::pinned_buffer<std::uint8_t> bulk_dst(big);
+    const std::size_t n = 1024;
+    cudawait::device_buffer<u32> dev(n, s);
+    const auto want = random_words(n, 73);
+    ASSERT_EQ(
+        cudaMemcpyAsync(dev.data(), want.data(), n * sizeof(u32), cudaMemcpyHostToDevice, s.get()),
+        cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(bulk_src.data(), 0x5a, big, s.get()), cudaSuccess);
+    s.sync();
+    cudawait::scheduler sched;
+    cudawait::copy_options o;
+    o.sm_copy_bytes = 64_KiB;
+    cudawait::pinned_buffer<u32> back(n);
+    // Once first: the kernel is loaded (and compiled by the driver) on first use.
+    cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small, o));
+    std::fill(back.data(), back.data() + n, 0xdeadbeef);
+    const cudawait::stream_ref bulk =
+        copy_lanes::for_device(device_ref(0)).get(lane::bulk, copy_direction::d2h);
+    ASSERT_EQ(
+        cudaMemcpyAsync(bulk_dst.data(), bulk_src.data(), big, cudaMemcpyDeviceToHost, bulk.get()),
+        cudaSuccess);
+    cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small, o));
+    EXPECT_FALSE(bulk.is_done()) << "the small copy waited for the bulk copy";
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), back.data()));
+    bulk.sync();
+    EXPECT_EQ(bulk_dst[0], 0x5a);
+    EXPECT_EQ(bulk_dst[big - 1], 0x5a);
 }
 
 } // namespace

@@ -7,6 +7,8 @@
 //   co_await copy(dst, src);               on a copy lane of the device (copy_lane.hpp): the
 //                                          small lane up to options.small_bytes, else the bulk
 //   co_await copy(dst, src, lane::small);  on the named lane, whatever the size
+//   copy_options o; o.sm_copy_bytes = 64 << 10;   small-lane copies between device and pinned
+//   co_await copy(dst, src, o);                   memory made by the SMs, not a copy engine
 //   (memory_kind and classify live in memory_kind.hpp)
 //
 // `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
@@ -45,6 +47,13 @@
 // stream. They are ordered with that lane's earlier copies only (copy_lane.hpp says what that
 // asks of the caller). A small pageable copy goes through one pinned block of its own size from
 // the pool, so the scheduler's thread never waits for the DMA.
+//
+// With options.sm_copy_bytes set, a small-lane copy of at most that many bytes between device
+// memory and page-locked host memory (the pool, cudaHostAlloc, a host_registration) is made by
+// a small kernel on the lane's stream instead of a copy engine (detail/sm_copy.hpp): a copy
+// engine takes its queue in order, so a small device-to-host copy otherwise waits for a bulk
+// chunk already queued there. The kernel is loaded once per process from PTX text (no nvcc
+// needed in the user's build); other copies are unaffected.
 
 #include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
@@ -57,12 +66,14 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
 
+#include <cudawait/detail/sm_copy.hpp>
 #include <cudawait/detail/staging.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <exception>
 #include <iterator>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
@@ -85,6 +96,13 @@ struct copy_options {
     /// Copies on a lane without one named (`copy(dst, src)`) of at most this many bytes go on
     /// the small lane, larger ones on the bulk lane (copy_lane.hpp).
     std::size_t small_bytes = std::size_t{64} << 10;
+    /// Copies on the small lane of at most this many bytes between device memory and
+    /// page-locked host memory the device can address are made by a kernel (the SMs load and
+    /// store the bytes over the link) instead of a copy engine, so that they never queue behind
+    /// a bulk copy already on the engine (detail/sm_copy.hpp). 0, the default: every copy uses
+    /// a copy engine. Other copies (pageable or managed memory, two devices, another lane) are
+    /// not affected.
+    std::size_t sm_copy_bytes = 0;
 };
 
 namespace detail {
@@ -241,6 +259,50 @@ stream_ref lane_stream(const copy_plan& plan, lane l) {
     return copy_lanes::for_device(d).get(l, to_device ? copy_direction::h2d : copy_direction::d2h);
 }
 
+/// A copy the SMs make (copy_options::sm_copy_bytes): the addresses the device uses for each
+/// side, and the device.
+struct sm_copy_route {
+    void* dst;
+    const void* src;
+    int device;
+};
+
+/// The route of `plan` through the SMs: device memory of one device on one side, page-locked
+/// host memory that device can address on the other; else none (the copy engine takes it).
+/// @throws cuda_error
+template <class = void>
+std::optional<sm_copy_route> sm_route(const copy_plan& plan) {
+    const bool to_device =
+        plan.dst_kind == memory_kind::device && plan.src_kind == memory_kind::pinned;
+    const bool to_host =
+        plan.src_kind == memory_kind::device && plan.dst_kind == memory_kind::pinned;
+    if (!to_device && !to_host) {
+        return std::nullopt;
+    }
+    const int dev = pointer_device(to_device ? static_cast<const void*>(plan.dst) : plan.src);
+    if (dev < 0) {
+        return std::nullopt; // stated device memory the driver does not know
+    }
+    void* host = host_memory_on_device(to_device ? static_cast<const void*>(plan.src) : plan.dst,
+                                       device_ref(dev));
+    if (host == nullptr) {
+        return std::nullopt;
+    }
+    return to_device ? sm_copy_route{plan.dst, host, dev} : sm_copy_route{host, plan.src, dev};
+}
+
+template <class = void>
+task<void> sm_copy_task(copy_plan plan, sm_copy_route r, stream_ref s) {
+    enqueue_sm_copy(r.dst, r.src, plan.bytes, device_ref(r.device), s);
+    if (plan.dst_pool != nullptr) {
+        plan.dst_pool->record_use(plan.dst, s);
+    }
+    if (plan.src_pool != nullptr) {
+        plan.src_pool->record_use(plan.src, s);
+    }
+    co_await s;
+}
+
 template <class = void>
 task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
     if (!plan.staged()) {
@@ -256,6 +318,19 @@ task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
     if (plan.to_device()) {
         co_await event_ref(sc.last_event());
     }
+}
+
+/// A copy on lane `l` (its stream `s`): through the SMs where sm_copy_bytes asks for it and
+/// the memory allows it, else as copy_task.
+/// @throws cuda_error (asking the driver where the memory lives)
+template <class = void>
+task<void> lane_copy(const copy_plan& plan, stream_ref s, lane l, const copy_options& opt) {
+    if (l == lane::small && plan.bytes <= opt.sm_copy_bytes) {
+        if (const std::optional<sm_copy_route> r = sm_route(plan)) {
+            return sm_copy_task(plan, *r, s);
+        }
+    }
+    return copy_task(plan, s, opt);
 }
 
 } // namespace detail
@@ -298,16 +373,15 @@ struct copy_fn {
                                         const copy_options& opt = {}) const {
         copy_plan plan = make_plan(dst, src, opt);
         const stream_ref s = lane_stream(plan, l);
-        return copy_task(plan, s, opt);
+        return lane_copy(plan, s, l, opt);
     }
 
     template <class Dst, class Src>
     requires copyable_pair<Dst, Src>
     [[nodiscard]] task<void> operator()(Dst&& dst, Src&& src, const copy_options& opt = {}) const {
         copy_plan plan = make_plan(dst, src, opt);
-        const stream_ref s =
-            lane_stream(plan, plan.bytes <= opt.small_bytes ? lane::small : lane::bulk);
-        return copy_task(plan, s, opt);
+        const lane l = plan.bytes <= opt.small_bytes ? lane::small : lane::bulk;
+        return lane_copy(plan, lane_stream(plan, l), l, opt);
     }
 };
 

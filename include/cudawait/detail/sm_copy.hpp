@@ -1,0 +1,196 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Copies made by the SMs instead of a copy engine, for the small copy lane (copy_lane.hpp,
+// copy_options::sm_copy_bytes).
+//
+// Why. A copy engine works through the copies queued on it in order: on the measured H200 a
+// 4 KiB device-to-host copy on any stream, at any priority, waited for the 64 MiB chunk a
+// pipeline had queued before it (1.2 ms, 128x its idle latency). A kernel whose threads load
+// and store the bytes over the link (page-locked host memory is addressable by the device)
+// never enters that queue: it runs on an SM between the pipeline's kernels and its stores share
+// the link with the chunk's DMA, packet by packet.
+//
+// The kernel is PTX text in this header (for sm_75 and later, PTX ISA 7.0, so that any driver of
+// CUDA 11 or later can compile it), loaded once per process with cudaLibraryLoadData and
+// launched with cudaLaunchKernel. A translation unit compiled by g++ alone can use it: no nvcc,
+// no device code in the user's objects. The library is never unloaded (a static destructor may
+// run after the driver has gone), and a forked child does not use the parent's handle.
+//
+// What it copies: `bytes` from `src` to `dst`, both device-addressable, in 16-byte words where
+// both addresses and the size are multiples of 16, else 4-byte words where they are multiples of
+// 4, else bytes; up to sm_copy_max_blocks blocks of sm_copy_threads threads, one pass for 64 KiB.
+
+#include <cudawait/device.hpp>
+#include <cudawait/error.hpp>
+#include <cudawait/stream.hpp>
+
+#include <cudawait/detail/fork_guard.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <mutex>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait::detail {
+
+/// The kernel `cudawait_sm_copy(const u8* src, u8* dst, u64 bytes)`, as PTX.
+inline constexpr char sm_copy_ptx[] = R"ptx(
+.version 7.0
+.target sm_75
+.address_size 64
+
+.visible .entry cudawait_sm_copy(
+	.param .u64 cudawait_sm_copy_param_0,
+	.param .u64 cudawait_sm_copy_param_1,
+	.param .u64 cudawait_sm_copy_param_2
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<14>;
+	.reg .b64 	%rd<33>;
+
+	ld.param.u64 	%rd15, [cudawait_sm_copy_param_0];
+	ld.param.u64 	%rd16, [cudawait_sm_copy_param_1];
+	ld.param.u64 	%rd14, [cudawait_sm_copy_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	cvta.to.global.u64 	%rd2, %rd15;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd30, %rd17, %rd18;
+	or.b64  	%rd19, %rd16, %rd15;
+	or.b64  	%rd5, %rd19, %rd14;
+	and.b64  	%rd20, %rd5, 15;
+	setp.eq.s64 	%p1, %rd20, 0;
+	@%p1 bra 	$L__BB0_6;
+
+	and.b64  	%rd21, %rd5, 3;
+	setp.eq.s64 	%p2, %rd21, 0;
+	@%p2 bra 	$L__BB0_4;
+
+	setp.ge.u64 	%p3, %rd30, %rd14;
+	@%p3 bra 	$L__BB0_8;
+
+$L__BB0_3:
+	add.s64 	%rd22, %rd2, %rd30;
+	ld.global.u8 	%rs1, [%rd22];
+	add.s64 	%rd23, %rd1, %rd30;
+	st.global.u8 	[%rd23], %rs1;
+	add.s64 	%rd30, %rd30, %rd3;
+	setp.lt.u64 	%p4, %rd30, %rd14;
+	@%p4 bra 	$L__BB0_3;
+	bra.uni 	$L__BB0_8;
+
+$L__BB0_6:
+	shr.u64 	%rd11, %rd14, 4;
+	setp.ge.u64 	%p7, %rd30, %rd11;
+	@%p7 bra 	$L__BB0_8;
+
+$L__BB0_7:
+	shl.b64 	%rd27, %rd30, 4;
+	add.s64 	%rd28, %rd1, %rd27;
+	add.s64 	%rd29, %rd2, %rd27;
+	ld.global.v4.u32 	{%r6, %r7, %r8, %r9}, [%rd29];
+	st.global.v4.u32 	[%rd28], {%r6, %r7, %r8, %r9};
+	add.s64 	%rd30, %rd30, %rd3;
+	setp.lt.u64 	%p8, %rd30, %rd11;
+	@%p8 bra 	$L__BB0_7;
+	bra.uni 	$L__BB0_8;
+
+$L__BB0_4:
+	shr.u64 	%rd8, %rd14, 2;
+	setp.ge.u64 	%p5, %rd30, %rd8;
+	@%p5 bra 	$L__BB0_8;
+
+$L__BB0_5:
+	shl.b64 	%rd24, %rd30, 2;
+	add.s64 	%rd25, %rd2, %rd24;
+	ld.global.u32 	%r5, [%rd25];
+	add.s64 	%rd26, %rd1, %rd24;
+	st.global.u32 	[%rd26], %r5;
+	add.s64 	%rd30, %rd30, %rd3;
+	setp.lt.u64 	%p6, %rd30, %rd8;
+	@%p6 bra 	$L__BB0_5;
+
+$L__BB0_8:
+	ret;
+
+}
+)ptx";
+
+/// The kernel's name in sm_copy_ptx.
+inline constexpr char sm_copy_kernel_name[] = "cudawait_sm_copy";
+/// Threads per block, and the most blocks: 16 x 256 threads move 64 KiB in one pass of 16-byte
+/// words.
+inline constexpr unsigned sm_copy_threads = 256;
+inline constexpr unsigned sm_copy_max_blocks = 16;
+
+/// The loaded kernel (cudaLibraryLoadData on first use, then kept for the process).
+/// @throws usage_error in a child forked after the parent loaded it; cuda_error (a driver that
+///         cannot compile the PTX, for instance)
+template <class = void>
+[[nodiscard]] cudaKernel_t sm_copy_kernel() {
+    struct loaded {
+        std::mutex mutex;
+        fork_stamp stamp;
+        cudaKernel_t kernel = nullptr;
+    };
+    static loaded* const state = new loaded(); // never destroyed, like the library
+    std::lock_guard lock(state->mutex);
+    if (state->stamp.inherited()) {
+        throw usage_error("cudawait: the small-copy kernel was loaded before fork(); CUDA state "
+                          "cannot be inherited by the child");
+    }
+    if (state->kernel == nullptr) {
+        cudaLibrary_t library = nullptr;
+        check(cudaLibraryLoadData(&library, sm_copy_ptx, nullptr, nullptr, 0, nullptr, nullptr, 0),
+              "cudaLibraryLoadData (the small-copy kernel)");
+        cudaKernel_t kernel = nullptr;
+        const cudaError_t st = cudaLibraryGetKernel(&kernel, library, sm_copy_kernel_name);
+        if (st != cudaSuccess) {
+            report(cudaLibraryUnload(library), "cudaLibraryUnload");
+            check(st, "cudaLibraryGetKernel (the small-copy kernel)");
+        }
+        state->kernel = kernel;
+    }
+    return state->kernel;
+}
+
+/// The address by which device `dev` reaches page-locked host memory `p`, or nullptr where it
+/// has none (memory that is not page-locked, or not mapped into the device's address space).
+/// @throws cuda_error
+template <class = void>
+[[nodiscard]] void* host_memory_on_device(const void* p, device_ref dev) {
+    device_guard on(dev);
+    cudaPointerAttributes a{};
+    check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
+    return a.type == cudaMemoryTypeHost ? a.devicePointer : nullptr;
+}
+
+/// Enqueues the SM copy of `bytes` from `src` to `dst` (both addresses the device `dev` can
+/// use) on `s`, a stream of `dev`.
+/// @throws cuda_error
+template <class = void>
+void enqueue_sm_copy(void* dst, const void* src, std::size_t bytes, device_ref dev, stream_ref s) {
+    const cudaKernel_t kernel = sm_copy_kernel();
+    const std::size_t per_pass = std::size_t{sm_copy_threads} * 16;
+    const auto blocks = static_cast<unsigned>(
+        std::clamp<std::size_t>((bytes + per_pass - 1) / per_pass, 1, sm_copy_max_blocks));
+    const void* from = src;
+    void* to = dst;
+    unsigned long long count = bytes;
+    void* args[] = {&from, &to, &count};
+    device_guard on(dev);
+    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks),
+                           dim3(sm_copy_threads), args, 0, s.get()),
+          "cudaLaunchKernel (the small-copy kernel)");
+}
+
+} // namespace cudawait::detail
