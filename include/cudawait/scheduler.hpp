@@ -41,6 +41,7 @@
 #include <cudawait/task.hpp>
 
 #include <cudawait/detail/detached.hpp>
+#include <cudawait/detail/doorbell.hpp>
 #include <cudawait/detail/idle_watch.hpp>
 
 #include <algorithm>
@@ -132,6 +133,7 @@ struct wait_node {
     std::coroutine_handle<> waiter;
     cudaError_t* status = nullptr;
     bool watched = false; ///< a sentinel was armed on `event` (idle_watch)
+    bool rung = false;    ///< a doorbell sentinel was armed on `event` (doorbell)
 };
 
 struct stream_fifo {
@@ -230,9 +232,10 @@ public:
         {
             std::lock_guard lock(m_remote_mutex);
             m_remote.push_back(std::move(fn));
-            m_has_remote.store(true, std::memory_order_release);
+            m_has_remote.store(true); // sequentially consistent: see doorbell_wait
         }
         m_remote_cv.notify_one();
+        m_doorbell.ring_if_blocked();
     }
     /// Makes a waiting loop re-check its stop condition. Thread-safe.
     void wake() { post(std::function<void()>{}); }
@@ -836,6 +839,9 @@ private:
                 return;
             }
             if (m_policy.sentinel) {
+                if (!timers && doorbell_wait()) {
+                    return;
+                }
                 watched = watch_pending();
                 now = clock::now();
             }
@@ -884,15 +890,54 @@ private:
         return all;
     }
 
+    /// Deep idle with no timer pending: blocks in the driver until a doorbell sentinel, a post
+    /// or the backstop rings (detail/doorbell.hpp, steps 1-5). False where the doorbell cannot
+    /// be used this round: the caller arms host-function sentinels and sleeps instead. A post
+    /// stores m_has_remote, then reads whether the loop is blocked; block() stores that, then
+    /// reads m_has_remote: either the post rings or the loop does not block.
+    bool doorbell_wait() noexcept {
+        if (!m_doorbell.begin()) {
+            return false;
+        }
+        bool done = false;
+        bool armed = true;
+        auto watch = [this, &done, &armed](detail::wait_node* n) noexcept {
+            if (done || !armed) {
+                return;
+            }
+            // A completion from before the doorbell was cleared rang nothing: caught here.
+            if (cudaEventQuery(n->event) != cudaErrorNotReady) {
+                done = true; // the next step completes it (or reports its error)
+            } else if (!n->watched && !n->rung) { // a host-function sentinel rings too
+                armed = m_doorbell.watch(n->event, n->device) == cudaSuccess;
+                n->rung = armed;
+            }
+        };
+        for (detail::stream_fifo* f : m_active) {
+            if (f->head != nullptr) {
+                watch(f->head);
+            }
+        }
+        for (detail::wait_node* n : m_event_waits) {
+            watch(n);
+        }
+        if (done) {
+            return true;
+        }
+        return armed && m_doorbell.block(m_has_remote, m_policy.sentinel_poll) !=
+                            detail::doorbell::outcome::failed;
+    }
+
     /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
-    /// as a post does, without allocating.
+    /// or its block on the doorbell, as a post does, without allocating.
     static void sentinel_fired(void* self) noexcept {
         auto* s = static_cast<scheduler*>(self);
         {
             std::lock_guard lock(s->m_remote_mutex);
-            s->m_has_remote.store(true, std::memory_order_release);
+            s->m_has_remote.store(true);
         }
         s->m_remote_cv.notify_one();
+        s->m_doorbell.ring_if_blocked();
     }
 
     // ---- bookkeeping -----------------------------------------------------------------------
@@ -1021,6 +1066,8 @@ private:
     std::atomic<std::size_t> m_detached{0};
     std::mutex m_error_mutex;
     std::exception_ptr m_detached_error;
+    /// Rung by posts and by host-function sentinels; destroyed after m_idle_watch.
+    detail::doorbell m_doorbell;
     /// Last: destroyed first, so a sentinel firing during the destructor still finds the
     /// members above (it takes m_remote_mutex), and none fires once it is gone.
     detail::idle_watch m_idle_watch{&scheduler::sentinel_fired, this};
@@ -1077,6 +1124,10 @@ struct scheduler_access {
     /// Private streams the scheduler's sentinels made so far (0: none was ever armed).
     [[nodiscard]] static std::size_t sentinel_streams(const scheduler& s) noexcept {
         return s.m_idle_watch.stream_count();
+    }
+    /// The doorbell the loop blocks on in deep idle, for tests and benchmarks.
+    [[nodiscard]] static const doorbell& idle_doorbell(const scheduler& s) noexcept {
+        return s.m_doorbell;
     }
     template <class Pred>
     static void run_from(scheduler& s, std::coroutine_handle<> first, Pred&& done) {
