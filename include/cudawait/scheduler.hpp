@@ -21,11 +21,16 @@
 //
 // Sentinels (poll_policy::sentinels(), or `sentinel` set in a policy of your own). Once nothing
 // has been ready for the policy's spin and yield phases, the scheduler arms a sentinel per pending
-// wait (the head of each stream's FIFO and each user event): a private stream waits for the event
-// and then runs a CUDA host function that wakes the loop (detail/idle_watch.hpp). The loop then
-// sleeps until a sentinel, a post or a timer wakes it, polling only every `sentinel_poll`: few
-// wake-ups, and it resumes within a host function's latency of the GPU finishing, where the sleep
-// back-off alone would take up to `sleep_max`.
+// wait (the head of each stream's FIFO and each user event). With no timer pending, a sentinel is
+// a private stream that waits for the event and then writes a doorbell word in mapped host
+// memory, and the loop thread blocks in cudaEventSynchronize on a blocking-sync event that a
+// waker stream records once the word is rung: the driver wakes the loop as directly as it wakes a
+// blocking sync. Posts, stops and a backstop every `sentinel_poll` ring the word from the host
+// (detail/doorbell.hpp). With a timer pending, or where the driver's stream memory operations are
+// missing, a sentinel runs a CUDA host function that wakes the loop instead, and the loop sleeps
+// on its condition variable until a sentinel, a post or a timer wakes it, polling every
+// `sentinel_poll` (detail/idle_watch.hpp). Either way: few wake-ups, and a resume soon after the
+// GPU finishes, where the sleep back-off alone would take up to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -76,13 +81,16 @@ namespace cudawait {
 /// pending the scheduler blocks until a post or its next timer, whatever the policy.
 ///
 /// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
-/// stream that waits for the awaited event and then runs a CUDA host function that wakes the
-/// loop. While every pending wait has one, the loop sleeps until a sentinel, a post or a timer
-/// wakes it, and polls only every `sentinel_poll`: that bounds the latency where a sentinel
-/// cannot fire (a context a fault killed) or fires late (CUDA may run the host functions of
-/// independent streams one at a time, so a user's long host function can hold one up). Where a
-/// sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA error) the
-/// loop sleeps with the back-off as before.
+/// stream that waits for the awaited event and then, with no timer pending, writes a doorbell
+/// word the loop thread is blocked on in the driver (cudaEventSynchronize), or, with a timer
+/// pending or without the driver's stream memory operations, runs a CUDA host function that
+/// wakes the loop. While every pending wait has one, the loop sleeps until a sentinel, a post or
+/// a timer wakes it, and polls only every `sentinel_poll`: that bounds the latency where a
+/// sentinel cannot fire (a context a fault killed) or fires late (CUDA may run the host
+/// functions of independent streams one at a time, so a user's long host function can hold one
+/// up), and how long the doorbell's wait can hold a hardware queue that other streams share.
+/// Where a sentinel cannot be armed (more than 64 waits, or a CUDA error) the loop sleeps with
+/// the back-off as before.
 struct poll_policy {
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
@@ -115,7 +123,8 @@ struct poll_policy {
     /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
     /// balanced(), but the sleep phase is woken by sentinels (polling every 10 ms; 20 us .. 1 ms
-    /// back-off where no sentinel could be armed): fewer wake-ups while the GPU works long.
+    /// back-off where no sentinel could be armed): fewer wake-ups while the GPU works long, and
+    /// a wake-up as prompt as a blocking sync's where no timer is pending.
     [[nodiscard]] static constexpr poll_policy sentinels() noexcept {
         poll_policy p;
         p.sentinel = true;
