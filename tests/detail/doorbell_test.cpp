@@ -73,29 +73,35 @@ TEST(doorbell_gate, work_flagged_before_the_block_is_not_waited_for) {
     EXPECT_EQ(load(word), 0u);
 }
 
-// The Dekker pair under stress: a poster queues items at random moments and rings if the owner
-// is blocked; the owner runs rounds (clear, take what is queued, block unless work is flagged).
-// A lost wake-up leaves the owner waiting for a ring that never comes: each wait is bounded, and
-// one that times out fails the test. Every item must be taken exactly once.
+// The Dekker pair under stress: a poster queues items and rings if the owner is blocked; the
+// owner runs rounds (clear, take what is queued, block unless work is flagged). The poster waits
+// for each item to be taken before it queues the next (after a random pause), so every post must
+// end a wait by itself: a lost wake-up leaves the owner waiting for a ring that never comes. Each
+// wait is bounded, and one that times out fails the test. Every item is taken exactly once.
 TEST(doorbell_gate, no_post_is_lost_between_the_check_and_the_block) {
-    constexpr int items = 20000;
+    constexpr int items = 5000;
     std::uint32_t word = 0;
     doorbell_gate gate;
     gate.attach(&word);
     std::mutex mutex;
     std::vector<int> queue;
     std::atomic<bool> remote{false};
+    std::atomic<int> taken_count{0};
+    std::atomic<bool> gave_up{false};
     std::jthread poster([&] {
         std::mt19937 rng(20261216);
-        for (int i = 0; i < items; ++i) {
+        for (int i = 0; i < items && !gave_up.load(); ++i) {
+            for (unsigned spin = rng() % 4000; spin > 0; --spin) {
+                std::atomic_signal_fence(std::memory_order_seq_cst);
+            }
             {
                 std::lock_guard lock(mutex);
                 queue.push_back(i);
                 remote.store(true);
             }
             gate.ring_if_blocked();
-            for (unsigned spin = rng() % 2000; spin > 0; --spin) {
-                std::atomic_signal_fence(std::memory_order_seq_cst);
+            while (taken_count.load() <= i && !gave_up.load()) {
+                std::this_thread::yield();
             }
         }
     });
@@ -110,16 +116,19 @@ TEST(doorbell_gate, no_post_is_lost_between_the_check_and_the_block) {
             queue.clear();
             remote.store(false);
         }
+        taken_count.store(static_cast<int>(taken.size()));
         if (static_cast<int>(taken.size()) == items) {
             break;
         }
         if (gate.block(remote, 30s, [&] {
                 ++waits;
-                lost += wait_for_ring(word, 5s) ? 0 : 1;
+                lost += wait_for_ring(word, 2s) ? 0 : 1;
             }) == doorbell_gate::result::failed) {
             FAIL() << "no backstop thread";
         }
     }
+    gave_up.store(true);
+    poster.join();
     EXPECT_EQ(lost, 0) << "a post was not rung for";
     ASSERT_EQ(static_cast<int>(taken.size()), items);
     for (int i = 0; i < items; ++i) {
