@@ -88,9 +88,10 @@ namespace cudawait {
 /// a timer wakes it, and polls only every `sentinel_poll`: that bounds the latency where a
 /// sentinel cannot fire (a context a fault killed) or fires late (CUDA may run the host
 /// functions of independent streams one at a time, so a user's long host function can hold one
-/// up), and how long the doorbell's wait can hold a hardware queue that other streams share.
-/// Where a sentinel cannot be armed (more than 64 waits, or a CUDA error) the loop sleeps with
-/// the back-off as before.
+/// up), and how long the doorbell's wait can hold a hardware queue that other streams share
+/// (and a device-wide synchronisation on another thread, which waits for that wait too).
+/// Where a sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA
+/// error) the loop sleeps with the back-off as before.
 struct poll_policy {
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
@@ -949,11 +950,12 @@ private:
         for (detail::wait_node* n : m_event_waits) {
             watch(n);
         }
-        if (done) {
-            return true;
+        if (done || !armed) {
+            m_doorbell.abandon();
+            return done;
         }
-        return armed && m_doorbell.block(m_has_remote, m_policy.sentinel_poll) !=
-                            detail::doorbell::outcome::failed;
+        return m_doorbell.block(m_has_remote, m_policy.sentinel_poll) !=
+               detail::doorbell::outcome::failed;
     }
 
     /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
@@ -1175,7 +1177,7 @@ struct scheduler_access_t {
         return s.m_idle_watch.stream_count();
     }
     /// The doorbell the loop blocks on in deep idle, for tests and benchmarks.
-    [[nodiscard]] static const doorbell& idle_doorbell(const scheduler& s) noexcept {
+    [[nodiscard]] static const doorbell& idle_doorbell(const basic_scheduler<Unused>& s) noexcept {
         return s.m_doorbell;
     }
     template <class Pred>

@@ -7,13 +7,15 @@
 // host-function sentinel (idle_watch) costs one thread wake-up more: the CUDA callback thread
 // wakes, then it wakes the loop.
 //
-// The doorbell is one 32-bit word of mapped, portable page-locked memory. A round of deep idle:
-//   1. the loop stores 0 in the word (begin());
+// The doorbell is one 32-bit word of mapped, portable page-locked memory (doorbell_words). A round
+// of deep idle:
+//   1. the loop stores 0 in the word (begin(); not while the previous round's waker has not
+//      passed yet: that round is then not a doorbell round, see begin());
 //   2. it queries every pending wait once: a completion from before the store is caught here;
 //   3. it arms a sentinel per pending wait that has none (watch()): on a private stream of the
 //      event's device, cudaStreamWaitEvent(ev), then cuStreamWriteValue32(word, 1);
 //   4. on a private "waker" stream: cuStreamWaitValue32(word >= 1), then a record of the
-//      blocking-sync event E (block(); only if the previous round's pair has passed);
+//      blocking-sync event E (block());
 //   5. it marks itself blocked, re-checks the owner's remote-work flag and, if nothing raced,
 //      calls cudaEventSynchronize(E).
 // Whatever must wake the loop makes E complete: a sentinel's write, or a store of 1 from the host
@@ -30,10 +32,18 @@
 // period (poll_policy::sentinel_poll): the loop then polls as the host-function path does at that
 // period, and no queue stays held longer. It sleeps on a condition variable in between.
 //
-// Lifetimes. The destructor stops the backstop, rings the word, synchronises the waker stream
-// and every sentinel stream (a sentinel only waits for an event of work the scheduler already
-// drained), then frees the word, streams and event: no stream can write into freed memory. In a
-// child made by fork() nothing CUDA is touched and the backstop thread (the parent's) is left.
+// A round that begin() opened and that does not block (a completion was caught, a sentinel could
+// not be armed) ends with abandon(), which rings the word: a waker is never left waiting while
+// the owner works or sleeps on its condition variable.
+//
+// Lifetimes. The destructor stops the backstop, rings the word, waits until the waker stream and
+// every sentinel stream drained (a sentinel only waits for an event of work the scheduler already
+// drained, so only its write is left), then destroys the streams and the event and hands the word
+// back. Words come from page-locked slabs that are never freed (doorbell_words): no cudaFreeHost,
+// which may wait for the whole device, and no stream can write into freed memory. The wait is
+// bounded (2 s): a stream that does not drain by then (a wait the owner gave up on, a hung device)
+// keeps its word from being reused rather than the destructor hanging. In a child made by fork()
+// nothing CUDA is touched and the backstop thread (the parent's) is left.
 //
 // Where the driver's stream memory operations cannot be had (the entry points are missing, the
 // device has no unified addressing or cannot map host memory, a driver before 12.0 without the
@@ -50,6 +60,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -65,8 +76,11 @@ namespace cudawait::detail {
 inline std::atomic<bool> g_doorbell_hide_entry_points{false};
 
 /// The host side of the doorbell protocol, without CUDA: the word's stores, the blocked flag
-/// and the backstop thread. The word is the mapped one in a doorbell, a plain one in tests.
-class doorbell_gate {
+/// and the backstop thread. The word is the mapped one in a doorbell, a plain one in tests. A
+/// class template (`Unused` is always void, see doorbell_gate) so that only a translation unit
+/// that drives a scheduler instantiates its members.
+template <class Unused = void>
+class basic_doorbell_gate {
 public:
     /// What block() did.
     enum class result {
@@ -75,10 +89,10 @@ public:
         failed, ///< the backstop thread could not be started: it did not wait
     };
 
-    doorbell_gate() = default;
-    doorbell_gate(const doorbell_gate&) = delete;
-    doorbell_gate& operator=(const doorbell_gate&) = delete;
-    ~doorbell_gate() {
+    basic_doorbell_gate() = default;
+    basic_doorbell_gate(const basic_doorbell_gate&) = delete;
+    basic_doorbell_gate& operator=(const basic_doorbell_gate&) = delete;
+    ~basic_doorbell_gate() {
         if (m_stamp.inherited()) {
             // The parent's thread does not exist here, and its mutex may have been held at the
             // fork: leave both.
@@ -208,9 +222,77 @@ private:
     fork_stamp m_stamp;
 };
 
+using doorbell_gate = basic_doorbell_gate<>;
+
+/// Doorbell words: 32-bit words of mapped, portable page-locked memory, taken from slabs that are
+/// never freed. So a doorbell's destructor makes no cudaFreeHost, which may wait for the whole
+/// device (another scheduler's waker included, until that one is rung), and a word that a late
+/// write might still reach stays mapped. A word is handed out again only once its streams
+/// drained; a write that still lands there would only wake its next owner once, spuriously.
+template <class Unused = void>
+class doorbell_words {
+public:
+    static constexpr std::size_t per_slab = 1024; ///< 4 KiB of page-locked memory a slab
+
+    /// The process's words (never destroyed, so a doorbell destroyed at exit still finds it).
+    static doorbell_words& instance() {
+        static doorbell_words* words = new doorbell_words;
+        return *words;
+    }
+
+    /// A word, or null where no slab could be allocated (or in a forked child, where the
+    /// parent's mutex and page-locked memory must not be touched).
+    std::uint32_t* take() noexcept {
+        if (m_stamp.inherited()) {
+            return nullptr;
+        }
+        std::lock_guard lock(m_mutex);
+        if (m_free.empty()) {
+            try {
+                m_free.reserve(per_slab);
+            } catch (...) {
+                return nullptr;
+            }
+            void* slab = nullptr;
+            if (cudaError_t st = cudaHostAlloc(&slab, per_slab * sizeof(std::uint32_t),
+                                               cudaHostAllocMapped | cudaHostAllocPortable);
+                st != cudaSuccess) {
+                (void)cudaGetLastError();
+                return nullptr;
+            }
+            auto* words = static_cast<std::uint32_t*>(slab);
+            for (std::size_t i = per_slab; i-- > 0;) {
+                m_free.push_back(words + i);
+            }
+        }
+        std::uint32_t* word = m_free.back();
+        m_free.pop_back();
+        return word;
+    }
+    /// Hands `word` back for another doorbell (leaks it where the list cannot grow).
+    void give_back(std::uint32_t* word) noexcept {
+        if (m_stamp.inherited()) {
+            return;
+        }
+        std::lock_guard lock(m_mutex);
+        try {
+            m_free.push_back(word);
+        } catch (...) {
+        }
+    }
+
+private:
+    doorbell_words() = default;
+
+    std::mutex m_mutex;
+    std::vector<std::uint32_t*> m_free;
+    fork_stamp m_stamp;
+};
+
 /// The doorbell a scheduler blocks on in deep idle. Owner's thread only, except for
-/// ring_if_blocked().
-class doorbell {
+/// ring_if_blocked(). A class template for the same reason as basic_doorbell_gate.
+template <class Unused = void>
+class basic_doorbell {
 public:
     /// Sentinel streams at most (each holds one armed sentinel at a time); past that the owner
     /// uses idle_watch, which has the same limit.
@@ -224,10 +306,10 @@ public:
     };
     enum class state { unused, ready, unavailable };
 
-    doorbell() = default;
-    doorbell(const doorbell&) = delete;
-    doorbell& operator=(const doorbell&) = delete;
-    ~doorbell() {
+    basic_doorbell() = default;
+    basic_doorbell(const basic_doorbell&) = delete;
+    basic_doorbell& operator=(const basic_doorbell&) = delete;
+    ~basic_doorbell() {
         if (m_stamp.inherited()) {
             return; // the parent's context: touch nothing (the gate leaves its thread too)
         }
@@ -235,20 +317,32 @@ public:
         if (m_word != nullptr) {
             m_gate.ring(); // a waker still waiting passes
         }
+        // Every stream that may still read or write the word must have drained before it is
+        // freed. The owner drained its waits, so a sentinel's event has completed and only its
+        // write is left; should a stream not drain in time (a wait the owner gave up on, a hung
+        // device), the word is left allocated rather than the destructor hanging.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+        bool drained = m_waker == nullptr || drain(m_waker, until);
+        for (const sentinel_stream& s : m_streams) {
+            drained = drain(s.stream, until) && drained;
+        }
         if (m_waker != nullptr) {
-            report(cudaStreamSynchronize(m_waker), "cudaStreamSynchronize");
             report(cudaStreamDestroy(m_waker), "cudaStreamDestroy");
         }
         for (const sentinel_stream& s : m_streams) {
-            // Until its write landed: the word must outlive it.
-            report(cudaStreamSynchronize(s.stream), "cudaStreamSynchronize");
+            // Released by CUDA once its work is done, should it have any left.
             report(cudaStreamDestroy(s.stream), "cudaStreamDestroy");
         }
         if (m_wake_event != nullptr) {
             report(cudaEventDestroy(m_wake_event), "cudaEventDestroy");
         }
         if (m_word != nullptr) {
-            report(cudaFreeHost(m_word), "cudaFreeHost");
+            if (drained) {
+                doorbell_words<Unused>::instance().give_back(m_word);
+            } else {
+                std::fprintf(stderr, "cudawait: a doorbell stream did not drain; its word is "
+                                     "not reused\n");
+            }
         }
     }
 
@@ -263,14 +357,19 @@ public:
             return false;
         }
         if (m_waker_armed) {
-            // Left armed by a round that raced (and rang it): passed by now, most likely.
+            // Left armed by a round that raced (and rang it): passed by now, most likely. If not,
+            // this round is not a doorbell round: the word stays rung until the waker passed, so
+            // that no sentinel is ever queued behind a waker's wait (they may share a hardware
+            // queue, where the sentinel's write would then wait for the wait it should end).
             const cudaError_t st = cudaEventQuery(m_wake_event);
-            if (st == cudaSuccess) {
-                m_waker_armed = false;
-            } else if (st != cudaErrorNotReady) {
+            if (st == cudaErrorNotReady) {
+                return false;
+            }
+            if (st != cudaSuccess) {
                 fail(st);
                 return false;
             }
+            m_waker_armed = false;
         }
         m_gate.reset();
         return true;
@@ -325,21 +424,31 @@ public:
             m_waker_armed = true;
         }
         cudaError_t st = cudaSuccess;
-        const doorbell_gate::result r =
+        using result = typename basic_doorbell_gate<Unused>::result;
+        const result r =
             m_gate.block(remote, backstop, [&] { st = cudaEventSynchronize(m_wake_event); });
-        if (r == doorbell_gate::result::raced) {
+        if (r == result::raced) {
             // Rung, so that the waker does not hold its hardware queue while the owner is busy
             // or sleeps on its condition variable; the next round finds it passed.
             m_gate.ring();
             return outcome::raced;
         }
-        if (r == doorbell_gate::result::failed || st != cudaSuccess) {
+        if (r == result::failed || st != cudaSuccess) {
             fail(st);
             return outcome::failed;
         }
         m_waker_armed = false;
         ++m_rounds;
         return outcome::woken;
+    }
+
+    /// Ends a round begun with begin() without block() (a completion was caught, or a sentinel
+    /// could not be armed): rings the word, so that a waker left armed does not hold its
+    /// hardware queue while the owner works or sleeps elsewhere.
+    void abandon() noexcept {
+        if (m_state == state::ready) {
+            m_gate.ring();
+        }
     }
 
     /// Any thread, a CUDA host function included (no CUDA call): ends a block() in progress.
@@ -397,13 +506,11 @@ private:
             (void)cudaGetLastError();
             return false;
         }
-        void* word = nullptr;
-        if (cudaHostAlloc(&word, sizeof(std::uint32_t),
-                          cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
-            (void)cudaGetLastError();
+        m_word = doorbell_words<Unused>::instance().take();
+        if (m_word == nullptr) {
             return false;
         }
-        m_word = static_cast<std::uint32_t*>(word);
+        void* word = m_word;
         m_gate.attach(m_word);
         m_gate.ring(); // no wait is armed yet: nothing to hold
         void* on_device = nullptr;
@@ -510,6 +617,22 @@ private:
         return st;
     }
 
+    /// Waits until `s` has nothing queued, polling until `until`. True once it drained, or
+    /// when the query fails (the context is gone: nothing of it runs any more).
+    static bool drain(cudaStream_t s, std::chrono::steady_clock::time_point until) noexcept {
+        for (;;) {
+            const cudaError_t st = cudaStreamQuery(s);
+            if (st != cudaErrorNotReady) {
+                report(st, "cudaStreamQuery");
+                return true;
+            }
+            if (std::chrono::steady_clock::now() >= until) {
+                return false;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+
     /// The doorbell is unavailable from now on; what it made is freed by the destructor.
     cudaError_t fail(cudaError_t st) noexcept {
         (void)cudaGetLastError(); // the owner's polling reports what matters
@@ -520,11 +643,11 @@ private:
         return st == cudaSuccess ? cudaErrorUnknown : st;
     }
 
-    doorbell_gate m_gate;
+    basic_doorbell_gate<Unused> m_gate;
     state m_state = state::unused;
     wait_value_fn m_wait = nullptr;
     write_value_fn m_write = nullptr;
-    std::uint32_t* m_word = nullptr; ///< mapped, portable page-locked memory
+    std::uint32_t* m_word = nullptr; ///< from doorbell_words: mapped, portable, never freed
     CUdeviceptr m_device_word = 0;
     cudaStream_t m_waker = nullptr;
     cudaEvent_t m_wake_event = nullptr; ///< blocking sync, no timing: recorded after the wait
@@ -534,5 +657,7 @@ private:
     std::uint64_t m_rounds = 0;
     fork_stamp m_stamp;
 };
+
+using doorbell = basic_doorbell<>;
 
 } // namespace cudawait::detail
