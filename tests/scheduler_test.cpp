@@ -909,12 +909,14 @@ TEST_F(scheduler_gpu, a_post_from_another_thread_wakes_a_loop_blocked_on_the_doo
         co_await st;
     };
     s->spawn(one_second());
-    std::stop_source stop;
-    std::jthread driver([&] { s->run(stop.get_token()); });
+    // Declared before the driver, so that a post still queued when an assertion returns finds
+    // them; the driver's own stop token, so that its destructor (on any return) stops the loop.
+    std::atomic<bool> ran{false};
+    std::thread::id ran_on;
+    std::jthread driver([&](std::stop_token stop) { s->run(stop); });
     for (int i = 0; i < 5; ++i) {
         ASSERT_TRUE(blocked_on_doorbell(*s)) << "post " << i;
-        std::atomic<bool> ran{false};
-        std::thread::id ran_on;
+        ran.store(false);
         const auto t0 = clock_type::now();
         s->post([&] {
             ran_on = std::this_thread::get_id();
@@ -930,7 +932,7 @@ TEST_F(scheduler_gpu, a_post_from_another_thread_wakes_a_loop_blocked_on_the_doo
     }
     ASSERT_TRUE(blocked_on_doorbell(*s));
     const auto t1 = clock_type::now();
-    stop.request_stop();
+    driver.request_stop();
     driver.join();
     EXPECT_LT(clock_type::now() - t1, 50ms) << "the stop did not ring the doorbell";
     EXPECT_EQ(s->pending().stream_waits, 1u);
@@ -958,10 +960,9 @@ TEST_F(scheduler_gpu, a_scheduler_destroyed_after_blocking_on_the_doorbell_drain
     mapped_words out(1);
     auto s = std::make_unique<scheduler>(sentinel_only());
     s->spawn(long_wait(st, out));
-    std::stop_source stop;
-    std::jthread driver([&] { s->run(stop.get_token()); });
+    std::jthread driver([&](std::stop_token stop) { s->run(stop); });
     ASSERT_TRUE(blocked_on_doorbell(*s));
-    stop.request_stop();
+    driver.request_stop();
     driver.join();
     EXPECT_EQ(s->pending().stream_waits, 1u);
     EXPECT_GE(scheduler_access::idle_doorbell(*s).rounds(), 1u);

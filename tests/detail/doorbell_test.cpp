@@ -45,7 +45,9 @@ TEST(doorbell_gate, rings_only_an_owner_that_is_blocked) {
     std::atomic<bool> remote{false};
     std::atomic<bool> inside{false};
     std::jthread poster([&] {
-        while (!gate.blocked()) {
+        // Bounded: should block() never block, the test fails rather than hangs at the join.
+        const auto until = clock_type::now() + 10s;
+        while (!gate.blocked() && clock_type::now() < until) {
             std::this_thread::yield();
         }
         inside.store(true);
@@ -124,7 +126,8 @@ TEST(doorbell_gate, no_post_is_lost_between_the_check_and_the_block) {
                 ++waits;
                 lost += wait_for_ring(word, 2s) ? 0 : 1;
             }) == doorbell_gate::result::failed) {
-            FAIL() << "no backstop thread";
+            ADD_FAILURE() << "no backstop thread";
+            break; // the poster is released below
         }
     }
     gave_up.store(true);
