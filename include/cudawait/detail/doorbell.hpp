@@ -317,10 +317,11 @@ public:
         if (m_word != nullptr) {
             m_gate.ring(); // a waker still waiting passes
         }
-        // Every stream that may still read or write the word must have drained before it is
-        // freed. The owner drained its waits, so a sentinel's event has completed and only its
-        // write is left; should a stream not drain in time (a wait the owner gave up on, a hung
-        // device), the word is left allocated rather than the destructor hanging.
+        // Every stream that may still read or write the word must have drained before the word
+        // goes to another doorbell. The owner drained its waits, so a sentinel's event has
+        // completed and only its write is left; should a stream not drain in time (a wait the
+        // owner gave up on, a hung device), the word is never reused rather than the destructor
+        // hanging.
         const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
         bool drained = m_waker == nullptr || drain(m_waker, until);
         for (const sentinel_stream& s : m_streams) {
@@ -405,8 +406,8 @@ public:
         return cudaSuccess;
     }
 
-    /// Steps 4 and 5: arms the waker (unless the last one is still armed) and blocks until the
-    /// word is rung, unless `remote` is set first. `backstop`: rings the word after that long.
+    /// Steps 4 and 5: arms the waker (begin() saw the last one pass) and blocks until the word
+    /// is rung, unless `remote` is set first. `backstop`: rings the word after that long.
     outcome block(const std::atomic<bool>& remote, std::chrono::nanoseconds backstop) noexcept {
         if (m_state != state::ready) {
             return outcome::failed;
