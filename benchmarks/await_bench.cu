@@ -20,12 +20,21 @@
 //      pending, and how late the waiter runs again:
 //        BM_idle_cpu_spinning / _yielding / _sleeping / _balanced / _sentinels   cudawait, each
 //                                     poll_policy (sentinels: balanced, its sleep phase woken by
-//                                     sentinels)
+//                                     sentinels; with no timer pending the loop blocks in the
+//                                     driver on the doorbell that they write)
+//        BM_idle_cpu_sentinels_host_func   sentinels with the doorbell hidden (as where the
+//                                     driver lacks stream memory operations, or a timer is
+//                                     pending): host-function sentinels and a condition variable
 //        BM_idle_cpu_blocking_sync    the reference: cudaEventSynchronize on a
 //                                     cudaEventBlockingSync | cudaEventDisableTiming event
-//      The summary quotes the overshoot of balanced (the default) and of sentinels against
-//      blocking_sync's, and their process CPU fractions (which count the CUDA thread that runs
-//      the sentinels' host functions).
+//        BM_idle_post_wake            a post from another thread to a loop waiting idle on one
+//                                     long GPU wait: wall time until the posted function runs
+//                                     (median of 20), the loop blocked on the doorbell
+//                                     (sentinels) and sleeping on its condition variable
+//                                     (balanced); printed for information
+//      The summary quotes the overshoot of balanced (the default), sentinels and
+//      sentinels_host_func against blocking_sync's, and their process CPU fractions (which count
+//      the CUDA thread that runs host functions and the doorbell's backstop thread).
 //
 // All comparisons run in one process, on the same device, the same stream type (cudawait::stream,
 // non-blocking) and the same kernels. After the benchmarks main() prints a summary table with
@@ -84,6 +93,8 @@ std::map<std::string, double> g_rate;         ///< throughput variant -> complet
 std::map<std::string, double> g_cpu_fraction; ///< idle policy -> CPU seconds / wall seconds
 std::map<std::string, double> g_overshoot_us; ///< idle policy -> median wall time - 200 ms
 std::map<std::string, double> g_process_cpu;  ///< idle policy -> process CPU seconds / wall
+std::map<std::string, double> g_post_us;      ///< idle loop kind -> median post-to-run time
+std::uint64_t g_doorbell_rounds = 0;          ///< sentinels' rounds blocked on the doorbell
 
 // ---- kernels -----------------------------------------------------------------------------------
 
@@ -646,11 +657,111 @@ void idle_cpu(benchmark::State& state, const cudawait::poll_policy& policy, cons
     cudawait::stream stream;
     cudawait::scheduler sched(policy);
     // Warm-up: the kernel's first launch, the scheduler's first event and FIFO; for sentinels
-    // also a wait long enough to arm one, so its private stream exists before timing.
+    // also a wait long enough to arm one, so its private stream (and the doorbell) exists before
+    // timing.
     cudawait::sync_wait(sched, idle_wait(stream, 0));
     cudawait::sync_wait(sched, idle_wait(stream, 20'000'000));
+    const std::uint64_t rounds0 = cudawait::detail::scheduler_access::idle_doorbell(sched).rounds();
     measure_idle(state, key,
                  [&](unsigned long long ns) { cudawait::sync_wait(sched, idle_wait(stream, ns)); });
+    if (std::string(key) == "sentinels") {
+        g_doorbell_rounds =
+            cudawait::detail::scheduler_access::idle_doorbell(sched).rounds() - rounds0;
+    }
+}
+
+/// While alive, new doorbells find no stream memory operations (the library's test hook): the
+/// sentinels are host functions.
+struct doorbell_hidden {
+    doorbell_hidden() { cudawait::detail::g_doorbell_hide_entry_points.store(true); }
+    ~doorbell_hidden() { cudawait::detail::g_doorbell_hide_entry_points.store(false); }
+    doorbell_hidden(const doorbell_hidden&) = delete;
+    doorbell_hidden& operator=(const doorbell_hidden&) = delete;
+};
+
+// ---- 3b. post latency to an idle loop -----------------------------------------------------------
+
+constexpr int kPostSamples = 20;
+constexpr auto kPostGap = std::chrono::milliseconds(10); ///< past spin + yield: the loop is idle
+
+/// Median microseconds from post() on this thread to the posted function running on `policy`'s
+/// loop, driven by another thread while one long GPU wait is pending. `doorbell`: each post waits
+/// until the loop is blocked on the doorbell first.
+double post_wake_us(const cudawait::poll_policy& policy, bool doorbell) {
+    using cudawait::detail::scheduler_access;
+    /// What one posted function records; outlives the scheduler, which may run it late.
+    struct sample {
+        std::atomic<bool> ran{false};
+        steady::time_point ran_at{};
+        std::thread::id ran_on;
+    };
+    std::vector<sample> samples(kPostSamples);
+    cudawait::stream stream;
+    cudawait::scheduler sched(policy);
+    cudawait::sync_wait(sched, idle_wait(stream, 20'000'000)); // warm-up, as idle_cpu's
+    // Long enough for every sample: the loop must stay waiting for the GPU throughout.
+    sched.spawn(idle_wait(stream, 1'000'000'000ull));
+    std::stop_source stop;
+    std::thread::id loop_thread;
+    std::thread driver([&] {
+        loop_thread = std::this_thread::get_id();
+        sched.run(stop.get_token());
+    });
+    std::vector<double> us;
+    std::string failure;
+    for (int i = 0; i < kPostSamples && failure.empty(); ++i) {
+        std::this_thread::sleep_for(kPostGap);
+        const auto until = steady::now() + std::chrono::seconds(1);
+        while (doorbell && !scheduler_access::idle_doorbell(sched).blocked() &&
+               steady::now() < until) {
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        if (doorbell && !scheduler_access::idle_doorbell(sched).blocked()) {
+            failure = "the loop did not block on the doorbell";
+            break;
+        }
+        sample& x = samples[static_cast<std::size_t>(i)];
+        const auto t0 = steady::now();
+        sched.post([&x] {
+            x.ran_at = steady::now();
+            x.ran_on = std::this_thread::get_id();
+            x.ran.store(true, std::memory_order_release);
+        });
+        while (!x.ran.load(std::memory_order_acquire)) {
+            if (steady::now() - t0 > std::chrono::seconds(5)) {
+                failure = "a post did not run within 5 s";
+                break;
+            }
+        }
+        if (failure.empty() && x.ran_on != loop_thread) {
+            failure = "a post ran off the loop thread";
+        }
+        if (failure.empty()) { // else it may still run and write x
+            us.push_back(seconds(x.ran_at - t0) * 1e6);
+        }
+    }
+    stop.request_stop();
+    driver.join();
+    if (!failure.empty()) {
+        throw std::runtime_error(failure); // the destructor runs what is still posted
+    }
+    if (us.size() != static_cast<std::size_t>(kPostSamples)) {
+        throw std::runtime_error("post_wake: samples missing");
+    }
+    return median(us); // the destructor drains the rest of the GPU wait
+}
+
+void BM_idle_post_wake(benchmark::State& state) {
+    guarded(state, [&] {
+        for (auto _ : state) {
+            const auto t0 = steady::now();
+            g_post_us["sentinels"] = post_wake_us(cudawait::poll_policy::sentinels(), true);
+            g_post_us["balanced"] = post_wake_us(cudawait::poll_policy::balanced(), false);
+            state.SetIterationTime(seconds(steady::now() - t0));
+        }
+        state.counters["sentinels_us"] = g_post_us["sentinels"];
+        state.counters["balanced_us"] = g_post_us["balanced"];
+    });
 }
 
 /// The driver's own blocking wait, which a long idle wait is measured against.
@@ -682,6 +793,12 @@ void BM_idle_cpu_balanced(benchmark::State& state) {
 }
 void BM_idle_cpu_sentinels(benchmark::State& state) {
     guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::sentinels(), "sentinels"); });
+}
+void BM_idle_cpu_sentinels_host_func(benchmark::State& state) {
+    guarded(state, [&] {
+        doorbell_hidden hidden;
+        idle_cpu(state, cudawait::poll_policy::sentinels(), "sentinels_host_func");
+    });
 }
 void BM_idle_cpu_blocking_sync(benchmark::State& state) {
     guarded(state, [&] { idle_blocking_sync(state); });
@@ -730,15 +847,22 @@ void register_benchmarks() {
             ->Unit(benchmark::kMillisecond);
     }
     // Idle CPU: each iteration is one ~200 ms GPU wait.
-    for (auto [name, fn] : {std::pair{"BM_idle_cpu_spinning", &BM_idle_cpu_spinning},
-                            std::pair{"BM_idle_cpu_yielding", &BM_idle_cpu_yielding},
-                            std::pair{"BM_idle_cpu_sleeping", &BM_idle_cpu_sleeping},
-                            std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced},
-                            std::pair{"BM_idle_cpu_sentinels", &BM_idle_cpu_sentinels},
-                            std::pair{"BM_idle_cpu_blocking_sync", &BM_idle_cpu_blocking_sync}}) {
+    for (auto [name, fn] :
+         {std::pair{"BM_idle_cpu_spinning", &BM_idle_cpu_spinning},
+          std::pair{"BM_idle_cpu_yielding", &BM_idle_cpu_yielding},
+          std::pair{"BM_idle_cpu_sleeping", &BM_idle_cpu_sleeping},
+          std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced},
+          std::pair{"BM_idle_cpu_sentinels", &BM_idle_cpu_sentinels},
+          std::pair{"BM_idle_cpu_sentinels_host_func", &BM_idle_cpu_sentinels_host_func},
+          std::pair{"BM_idle_cpu_blocking_sync", &BM_idle_cpu_blocking_sync}}) {
         RegisterBenchmark(name, fn)->UseManualTime()->Iterations(kIdleRuns)->Unit(
             benchmark::kMillisecond);
     }
+    // Post latency: one iteration measures both loops.
+    RegisterBenchmark("BM_idle_post_wake", &BM_idle_post_wake)
+        ->UseManualTime()
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond);
 }
 
 /// "a / b" when both were measured in this run, "-" otherwise.
@@ -824,8 +948,8 @@ void print_summary() {
                     static_cast<long long>(kIdleWait.count()),
                     static_cast<long long>(kIdleWait.count()));
         const auto floor = g_overshoot_us.find("spinning");
-        for (const char* k :
-             {"spinning", "yielding", "sleeping", "balanced", "sentinels", "blocking_sync"}) {
+        for (const char* k : {"spinning", "yielding", "sleeping", "balanced", "sentinels",
+                              "sentinels_host_func", "blocking_sync"}) {
             if (auto it = g_cpu_fraction.find(k); it != g_cpu_fraction.end()) {
                 const double overshoot = g_overshoot_us[k];
                 std::printf("  %-20s cpu_fraction %6.3f   overshoot %9.1f us", k, it->second,
@@ -836,15 +960,35 @@ void print_summary() {
                 std::printf("   process_cpu %6.3f\n", g_process_cpu[k]);
             }
         }
-        for (const char* k : {"balanced", "sentinels"}) {
+        if (g_cpu_fraction.contains("sentinels")) {
+            // Zero means the doorbell was unavailable and sentinels took the host-function path.
+            std::printf("  sentinels blocked on the doorbell %llu times in %lld waits\n",
+                        static_cast<unsigned long long>(g_doorbell_rounds),
+                        static_cast<long long>(kIdleRuns));
+        }
+        for (const char* k : {"balanced", "sentinels", "sentinels_host_func"}) {
             std::printf("  idle wake-up: %s overshoot / blocking-sync overshoot: %s (target <= "
                         "1.0)\n",
                         k, ratio(g_overshoot_us, k, "blocking_sync").c_str());
             if (auto it = g_process_cpu.find(k); it != g_process_cpu.end()) {
-                // The whole process: the sentinels' host functions run on a CUDA thread.
+                // The whole process: host functions run on a CUDA thread, the doorbell's
+                // backstop on one of its own.
                 std::printf("  idle CPU %s: %.4f (target <= 0.01)\n", k, it->second);
             }
         }
+    }
+    if (!g_post_us.empty()) {
+        std::printf("\nPost from another thread to an idle loop (one long GPU wait pending), wall "
+                    "time until the posted function runs (median of %d; for information)\n",
+                    kPostSamples);
+        for (auto [k, what] : {std::pair{"sentinels", "blocked on the doorbell"},
+                               std::pair{"balanced", "sleeping on its condition variable"}}) {
+            if (auto it = g_post_us.find(k); it != g_post_us.end()) {
+                std::printf("  %-10s %9.1f us   (%s)\n", k, it->second, what);
+            }
+        }
+        std::printf("  post wake-up: sentinels / balanced: %s\n",
+                    ratio(g_post_us, "sentinels", "balanced").c_str());
     }
     std::fflush(stdout);
 }

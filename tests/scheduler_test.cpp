@@ -600,7 +600,20 @@ poll_policy sentinel_only() {
 
 constexpr auto kSentinelSlack = 5s; // far above a host function's latency, far below 30 s
 
+using cudawait::detail::scheduler_access;
+using doorbell_state = cudawait::detail::doorbell::state;
+
+/// While alive, a scheduler's doorbell finds no stream memory operations when it is set up
+/// (its first deep idle), so its sentinels are host functions: the path these first tests check.
+struct doorbell_hidden {
+    doorbell_hidden() { cudawait::detail::g_doorbell_hide_entry_points.store(true); }
+    ~doorbell_hidden() { cudawait::detail::g_doorbell_hide_entry_points.store(false); }
+    doorbell_hidden(const doorbell_hidden&) = delete;
+    doorbell_hidden& operator=(const doorbell_hidden&) = delete;
+};
+
 TEST_F(scheduler_gpu, a_long_stream_wait_is_woken_by_its_sentinel_on_the_loop_thread) {
+    doorbell_hidden hidden;
     scheduler s(sentinel_only());
     stream st;
     mapped_words out(1);
@@ -626,6 +639,7 @@ TEST_F(scheduler_gpu, a_long_stream_wait_is_woken_by_its_sentinel_on_the_loop_th
 }
 
 TEST_F(scheduler_gpu, a_long_user_event_wait_is_woken_by_its_sentinel) {
+    doorbell_hidden hidden;
     scheduler s(sentinel_only());
     stream st;
     mapped_words out(1);
@@ -655,9 +669,8 @@ TEST_F(scheduler_gpu, a_long_user_event_wait_is_woken_by_its_sentinel) {
 // durations), not when the one sentinel-watched wait or the longest one does. Four, because the
 // streams and their sentinels share the device's 8 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS):
 // with more, a kernel can wait behind another stream's in its queue and start late.
-TEST_F(scheduler_gpu, sentinels_watch_many_streams_at_once) {
+void many_streams_resume_in_their_kernels_order(scheduler& s) {
     constexpr int n = 4;
-    scheduler s(sentinel_only());
     std::vector<stream> streams(n);
     mapped_words out(n);
     std::vector<int> rank(n);
@@ -686,9 +699,15 @@ TEST_F(scheduler_gpu, sentinels_watch_many_streams_at_once) {
         expected[i] = i;
     }
     EXPECT_EQ(order, expected) << "each await resumes when its own kernel finishes";
-    EXPECT_GE(cudawait::detail::scheduler_access::sentinel_streams(s), static_cast<std::size_t>(n));
     const auto p = s.pending();
     EXPECT_EQ(p.stream_waits + p.streams, 0u);
+}
+
+TEST_F(scheduler_gpu, sentinels_watch_many_streams_at_once) {
+    doorbell_hidden hidden;
+    scheduler s(sentinel_only());
+    many_streams_resume_in_their_kernels_order(s);
+    EXPECT_GE(cudawait::detail::scheduler_access::sentinel_streams(s), 4u);
 }
 
 task<> long_wait(stream& st, mapped_words& out) {
@@ -700,6 +719,7 @@ task<> long_wait(stream& st, mapped_words& out) {
 // destructor drains the wait (woken by the sentinel, not by a 30 s poll), and the sentinel's
 // host function, whenever it runs, finds the scheduler gone and does nothing.
 TEST_F(scheduler_gpu, a_scheduler_destroyed_while_its_sentinel_waits_drains_and_goes) {
+    doorbell_hidden hidden;
     stream st;
     mapped_words out(1);
     auto s = std::make_unique<scheduler>(sentinel_only());
@@ -807,6 +827,206 @@ TEST_F(scheduler_gpu, a_burst_of_completions_on_one_stream_resumes_in_order_afte
         const auto p = s.pending();
         EXPECT_EQ(p.stream_waits + p.streams, 0u);
     }
+}
+
+// ---- the doorbell: deep idle blocked in the driver -------------------------------------------
+//
+// With sentinels on and no timer pending, the loop blocks in cudaEventSynchronize on the
+// doorbell's blocking-sync event; sentinels that write the doorbell word, posts and stops end
+// that (detail/doorbell.hpp). sentinel_only() leaves the backstop 30 s away, so a wait that
+// resumes well within it was woken by the doorbell. These expect a device with the driver's
+// stream memory operations (every device of a CUDA 12 driver with unified addressing).
+
+/// Waits up to 5 s for the loop of `s` to block on its doorbell.
+bool blocked_on_doorbell(const scheduler& s) {
+    const auto until = clock_type::now() + 5s;
+    while (!scheduler_access::idle_doorbell(s).blocked()) {
+        if (clock_type::now() > until) {
+            return false;
+        }
+        std::this_thread::sleep_for(100us);
+    }
+    return true;
+}
+
+TEST_F(scheduler_gpu, a_long_wait_resumes_through_the_doorbell_on_the_loop_thread) {
+    scheduler s(sentinel_only());
+    stream st;
+    mapped_words out(1);
+    std::thread::id resumed_on;
+    auto body = [&]() -> task<std::uint32_t> {
+        check(cudawait::testing::launch_spin(150'000'000, out.device, 0xD00Bu, st.get()), "launch");
+        co_await st;
+        resumed_on = std::this_thread::get_id();
+        co_return out.read(0);
+    };
+    const auto c0 = thread_cpu_time();
+    const auto t0 = clock_type::now();
+    EXPECT_EQ(sync_wait(s, body()), 0xD00Bu);
+    const auto wall = clock_type::now() - t0;
+    const auto cpu = thread_cpu_time() - c0;
+    EXPECT_EQ(resumed_on, std::this_thread::get_id());
+    EXPECT_GE(wall, 150ms);
+    EXPECT_LT(wall, 150ms + kSentinelSlack) << "not woken by the doorbell";
+    EXPECT_LT(cpu, wall / 4) << "blocked in the driver, the loop should not hold the core";
+    // A user event, of either kind, rings it alike.
+    for (unsigned flags : {cudawait::event::default_flags,
+                           unsigned{cudaEventBlockingSync | cudaEventDisableTiming}}) {
+        cudawait::event ev(cudawait::device_ref(0), flags);
+        out.write(0, mapped_words::poison);
+        const std::uint32_t value = 0xB0B0u + flags;
+        auto on_event = [&]() -> task<std::uint32_t> {
+            check(cudawait::testing::launch_spin(60'000'000, out.device, value, st.get()),
+                  "launch");
+            ev.record(st);
+            co_await ev;
+            co_return out.read(0);
+        };
+        const auto t1 = clock_type::now();
+        EXPECT_EQ(sync_wait(s, on_event()), value);
+        EXPECT_LT(clock_type::now() - t1, 60ms + kSentinelSlack) << "flags " << flags;
+    }
+    const auto& bell = scheduler_access::idle_doorbell(s);
+    EXPECT_EQ(bell.current_state(), doorbell_state::ready) << "no stream memory operations";
+    EXPECT_GE(bell.rounds(), 3u);
+    EXPECT_GE(bell.stream_count(), 1u);
+    EXPECT_EQ(bell.backstop_rings(), 0u);
+    EXPECT_EQ(scheduler_access::sentinel_streams(s), 0u) << "took the host-function path";
+    const auto p = s.pending();
+    EXPECT_EQ(p.stream_waits + p.event_waits, 0u);
+}
+
+// The loop blocks on the doorbell behind a 1 s kernel; posts from this thread must each run on
+// the loop thread within 50 ms (a thread wake-up and the GPU seeing the word, not the backstop's
+// 30 s), and so must the stop.
+TEST_F(scheduler_gpu, a_post_from_another_thread_wakes_a_loop_blocked_on_the_doorbell) {
+    stream st;
+    mapped_words out(1);
+    auto s = std::make_unique<scheduler>(sentinel_only());
+    auto one_second = [&]() -> task<> {
+        check(cudawait::testing::launch_spin(1'000'000'000, out.device, 0x9057u, st.get()),
+              "launch");
+        co_await st;
+    };
+    s->spawn(one_second());
+    // Declared before the driver, so that a post still queued when an assertion returns finds
+    // them; the driver's own stop token, so that its destructor (on any return) stops the loop.
+    std::atomic<bool> ran{false};
+    std::thread::id ran_on;
+    std::jthread driver([&](std::stop_token stop) { s->run(stop); });
+    for (int i = 0; i < 5; ++i) {
+        ASSERT_TRUE(blocked_on_doorbell(*s)) << "post " << i;
+        ran.store(false);
+        const auto t0 = clock_type::now();
+        s->post([&] {
+            ran_on = std::this_thread::get_id();
+            ran.store(true);
+        });
+        while (!ran.load() && clock_type::now() - t0 < 5s) {
+            std::this_thread::sleep_for(20us);
+        }
+        const auto latency = clock_type::now() - t0;
+        ASSERT_TRUE(ran.load()) << "post " << i;
+        EXPECT_LT(latency, 50ms) << "post " << i;
+        EXPECT_EQ(ran_on, driver.get_id());
+    }
+    ASSERT_TRUE(blocked_on_doorbell(*s));
+    const auto t1 = clock_type::now();
+    driver.request_stop();
+    driver.join();
+    EXPECT_LT(clock_type::now() - t1, 50ms) << "the stop did not ring the doorbell";
+    EXPECT_EQ(s->pending().stream_waits, 1u);
+    EXPECT_EQ(scheduler_access::idle_doorbell(*s).backstop_rings(), 0u);
+    EXPECT_EQ(scheduler_access::sentinel_streams(*s), 0u);
+    s.reset();
+    EXPECT_EQ(out.read(0), 0x9057u);
+}
+
+TEST_F(scheduler_gpu, the_doorbell_resumes_many_streams_in_their_kernels_order) {
+    scheduler s(sentinel_only());
+    many_streams_resume_in_their_kernels_order(s);
+    const auto& bell = scheduler_access::idle_doorbell(s);
+    EXPECT_EQ(bell.current_state(), doorbell_state::ready);
+    EXPECT_GE(bell.stream_count(), 4u) << "one doorbell sentinel per stream";
+    EXPECT_GE(bell.rounds(), 4u);
+    EXPECT_EQ(scheduler_access::sentinel_streams(s), 0u);
+}
+
+// The loop is stopped while blocked on the doorbell (the stop rings it), with a wait pending and
+// its doorbell sentinel armed; the destructor drains the wait, woken by the doorbell again, then
+// rings it, synchronises its streams and frees the word before any stream could write it.
+TEST_F(scheduler_gpu, a_scheduler_destroyed_after_blocking_on_the_doorbell_drains_and_goes) {
+    stream st;
+    mapped_words out(1);
+    auto s = std::make_unique<scheduler>(sentinel_only());
+    s->spawn(long_wait(st, out));
+    std::jthread driver([&](std::stop_token stop) { s->run(stop); });
+    ASSERT_TRUE(blocked_on_doorbell(*s));
+    driver.request_stop();
+    driver.join();
+    EXPECT_EQ(s->pending().stream_waits, 1u);
+    EXPECT_GE(scheduler_access::idle_doorbell(*s).rounds(), 1u);
+    EXPECT_GE(scheduler_access::idle_doorbell(*s).stream_count(), 1u);
+    const auto t0 = clock_type::now();
+    s.reset();
+    EXPECT_LT(clock_type::now() - t0, 300ms + kSentinelSlack);
+    EXPECT_EQ(out.read(0), 0xD0DEu);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+// A timer pending (here a 1.5 s sleep beside a 100 ms kernel): the loop keeps the host-function
+// sentinels and its condition variable, and the kernel's await still resumes long before the
+// timer, woken by its sentinel; the doorbell is never set up.
+TEST_F(scheduler_gpu, a_pending_timer_keeps_the_host_function_path) {
+    scheduler s(sentinel_only());
+    stream st;
+    mapped_words out(1);
+    const auto t0 = clock_type::now();
+    clock_type::duration kernel_after{};
+    clock_type::duration timer_after{};
+    auto gpu = [&]() -> task<> {
+        check(cudawait::testing::launch_spin(100'000'000, out.device, 0x71E5u, st.get()), "launch");
+        co_await st;
+        kernel_after = clock_type::now() - t0;
+    };
+    auto timer = [&]() -> task<> {
+        co_await sleep_for(1500ms);
+        timer_after = clock_type::now() - t0;
+    };
+    std::vector<task<>> both;
+    both.push_back(gpu());
+    both.push_back(timer());
+    sync_wait(s, cudawait::when_all(std::move(both)));
+    EXPECT_EQ(out.read(0), 0x71E5u);
+    EXPECT_GE(kernel_after, 100ms);
+    EXPECT_LT(kernel_after, 1000ms) << "not woken by its host-function sentinel";
+    EXPECT_GE(timer_after, 1500ms);
+    const auto& bell = scheduler_access::idle_doorbell(s);
+    EXPECT_EQ(bell.current_state(), doorbell_state::unused);
+    EXPECT_EQ(bell.rounds(), 0u);
+    EXPECT_GE(scheduler_access::sentinel_streams(s), 1u);
+}
+
+// Where the driver's entry points are missing (injected here), the doorbell is unavailable and
+// the same long wait is woken by a host-function sentinel.
+TEST_F(scheduler_gpu, without_stream_memory_operations_sentinels_are_host_functions) {
+    doorbell_hidden hidden;
+    scheduler s(sentinel_only());
+    stream st;
+    mapped_words out(1);
+    auto body = [&]() -> task<std::uint32_t> {
+        check(cudawait::testing::launch_spin(100'000'000, out.device, 0xFA11u, st.get()), "launch");
+        co_await st;
+        co_return out.read(0);
+    };
+    const auto t0 = clock_type::now();
+    EXPECT_EQ(sync_wait(s, body()), 0xFA11u);
+    EXPECT_LT(clock_type::now() - t0, 100ms + kSentinelSlack) << "not woken by the sentinel";
+    const auto& bell = scheduler_access::idle_doorbell(s);
+    EXPECT_EQ(bell.current_state(), doorbell_state::unavailable);
+    EXPECT_EQ(bell.rounds(), 0u);
+    EXPECT_EQ(bell.stream_count(), 0u);
+    EXPECT_GE(scheduler_access::sentinel_streams(s), 1u);
 }
 
 } // namespace

@@ -21,11 +21,16 @@
 //
 // Sentinels (poll_policy::sentinels(), or `sentinel` set in a policy of your own). Once nothing
 // has been ready for the policy's spin and yield phases, the scheduler arms a sentinel per pending
-// wait (the head of each stream's FIFO and each user event): a private stream waits for the event
-// and then runs a CUDA host function that wakes the loop (detail/idle_watch.hpp). The loop then
-// sleeps until a sentinel, a post or a timer wakes it, polling only every `sentinel_poll`: few
-// wake-ups, and it resumes within a host function's latency of the GPU finishing, where the sleep
-// back-off alone would take up to `sleep_max`.
+// wait (the head of each stream's FIFO and each user event). With no timer pending, a sentinel is
+// a private stream that waits for the event and then writes a doorbell word in mapped host
+// memory, and the loop thread blocks in cudaEventSynchronize on a blocking-sync event that a
+// waker stream records once the word is rung: the driver wakes the loop as directly as it wakes a
+// blocking sync. Posts, stops and a backstop every `sentinel_poll` ring the word from the host
+// (detail/doorbell.hpp). With a timer pending, or where the driver's stream memory operations are
+// missing, a sentinel runs a CUDA host function that wakes the loop instead, and the loop sleeps
+// on its condition variable until a sentinel, a post or a timer wakes it, polling every
+// `sentinel_poll` (detail/idle_watch.hpp). Either way: few wake-ups, and a resume soon after the
+// GPU finishes, where the sleep back-off alone would take up to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -41,6 +46,7 @@
 #include <cudawait/task.hpp>
 
 #include <cudawait/detail/detached.hpp>
+#include <cudawait/detail/doorbell.hpp>
 #include <cudawait/detail/idle_watch.hpp>
 
 #include <algorithm>
@@ -75,13 +81,17 @@ namespace cudawait {
 /// pending the scheduler blocks until a post or its next timer, whatever the policy.
 ///
 /// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
-/// stream that waits for the awaited event and then runs a CUDA host function that wakes the
-/// loop. While every pending wait has one, the loop sleeps until a sentinel, a post or a timer
-/// wakes it, and polls only every `sentinel_poll`: that bounds the latency where a sentinel
-/// cannot fire (a context a fault killed) or fires late (CUDA may run the host functions of
-/// independent streams one at a time, so a user's long host function can hold one up). Where a
-/// sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA error) the
-/// loop sleeps with the back-off as before.
+/// stream that waits for the awaited event and then, with no timer pending, writes a doorbell
+/// word the loop thread is blocked on in the driver (cudaEventSynchronize), or, with a timer
+/// pending or without the driver's stream memory operations, runs a CUDA host function that
+/// wakes the loop. While every pending wait has one, the loop sleeps until a sentinel, a post or
+/// a timer wakes it, and polls only every `sentinel_poll`: that bounds the latency where a
+/// sentinel cannot fire (a context a fault killed) or fires late (CUDA may run the host
+/// functions of independent streams one at a time, so a user's long host function can hold one
+/// up), and how long the doorbell's wait can hold a hardware queue that other streams share
+/// (and a device-wide synchronisation on another thread, which waits for that wait too).
+/// Where a sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA
+/// error) the loop sleeps with the back-off as before.
 struct poll_policy {
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
@@ -114,7 +124,8 @@ struct poll_policy {
     /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
     /// balanced(), but the sleep phase is woken by sentinels (polling every 10 ms; 20 us .. 1 ms
-    /// back-off where no sentinel could be armed): fewer wake-ups while the GPU works long.
+    /// back-off where no sentinel could be armed): fewer wake-ups while the GPU works long, and
+    /// a wake-up as prompt as a blocking sync's where no timer is pending.
     [[nodiscard]] static constexpr poll_policy sentinels() noexcept {
         poll_policy p;
         p.sentinel = true;
@@ -132,6 +143,7 @@ struct wait_node {
     std::coroutine_handle<> waiter;
     cudaError_t* status = nullptr;
     bool watched = false; ///< a sentinel was armed on `event` (idle_watch)
+    bool rung = false;    ///< a doorbell sentinel was armed on `event` (doorbell)
 };
 
 struct stream_fifo {
@@ -245,9 +257,10 @@ public:
         {
             std::lock_guard lock(m_remote_mutex);
             m_remote.push_back(std::move(fn));
-            m_has_remote.store(true, std::memory_order_release);
+            m_has_remote.store(true); // sequentially consistent: see doorbell_wait
         }
         m_remote_cv.notify_one();
+        m_doorbell.ring_if_blocked();
     }
     /// Makes a waiting loop re-check its stop condition. Thread-safe.
     void wake() { post(std::function<void()>{}); }
@@ -855,6 +868,9 @@ private:
                 return;
             }
             if (m_policy.sentinel) {
+                if (!timers && doorbell_wait()) {
+                    return;
+                }
                 watched = watch_pending();
                 now = clock::now();
             }
@@ -903,15 +919,55 @@ private:
         return all;
     }
 
+    /// Deep idle with no timer pending: blocks in the driver until a doorbell sentinel, a post
+    /// or the backstop rings (detail/doorbell.hpp, steps 1-5). False where the doorbell cannot
+    /// be used this round: the caller arms host-function sentinels and sleeps instead. A post
+    /// stores m_has_remote, then reads whether the loop is blocked; block() stores that, then
+    /// reads m_has_remote: either the post rings or the loop does not block.
+    bool doorbell_wait() noexcept {
+        if (!m_doorbell.begin()) {
+            return false;
+        }
+        bool done = false;
+        bool armed = true;
+        auto watch = [this, &done, &armed](detail::wait_node* n) noexcept {
+            if (done || !armed) {
+                return;
+            }
+            // A completion from before the doorbell was cleared rang nothing: caught here.
+            if (cudaEventQuery(n->event) != cudaErrorNotReady) {
+                done = true; // the next step completes it (or reports its error)
+            } else if (!n->watched && !n->rung) { // a host-function sentinel rings too
+                armed = m_doorbell.watch(n->event, n->device) == cudaSuccess;
+                n->rung = armed;
+            }
+        };
+        for (detail::stream_fifo* f : m_active) {
+            if (f->head != nullptr) {
+                watch(f->head);
+            }
+        }
+        for (detail::wait_node* n : m_event_waits) {
+            watch(n);
+        }
+        if (done || !armed) {
+            m_doorbell.abandon();
+            return done;
+        }
+        return m_doorbell.block(m_has_remote, m_policy.sentinel_poll) !=
+               detail::doorbell::outcome::failed;
+    }
+
     /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
-    /// as a post does, without allocating.
+    /// or its block on the doorbell, as a post does, without allocating.
     static void sentinel_fired(void* self) noexcept {
         auto* s = static_cast<basic_scheduler*>(self);
         {
             std::lock_guard lock(s->m_remote_mutex);
-            s->m_has_remote.store(true, std::memory_order_release);
+            s->m_has_remote.store(true);
         }
         s->m_remote_cv.notify_one();
+        s->m_doorbell.ring_if_blocked();
     }
 
     // ---- bookkeeping -----------------------------------------------------------------------
@@ -1040,6 +1096,8 @@ private:
     std::atomic<std::size_t> m_detached{0};
     std::mutex m_error_mutex;
     std::exception_ptr m_detached_error;
+    /// Rung by posts and by host-function sentinels; destroyed after m_idle_watch.
+    detail::doorbell m_doorbell;
     /// Last: destroyed first, so a sentinel firing during the destructor still finds the
     /// members above (it takes m_remote_mutex), and none fires once it is gone.
     detail::idle_watch m_idle_watch{&basic_scheduler::sentinel_fired, this};
@@ -1117,6 +1175,10 @@ struct scheduler_access_t {
     /// Private streams the scheduler's sentinels made so far (0: none was ever armed).
     [[nodiscard]] static std::size_t sentinel_streams(const basic_scheduler<Unused>& s) noexcept {
         return s.m_idle_watch.stream_count();
+    }
+    /// The doorbell the loop blocks on in deep idle, for tests and benchmarks.
+    [[nodiscard]] static const doorbell& idle_doorbell(const basic_scheduler<Unused>& s) noexcept {
+        return s.m_doorbell;
     }
     template <class Pred>
     static void run_from(basic_scheduler<Unused>& s, std::coroutine_handle<> first, Pred&& done) {

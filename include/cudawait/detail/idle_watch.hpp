@@ -8,7 +8,9 @@
 // runs a host function, which wakes the scheduler. So the wake-up latency is that of a CUDA host
 // function (18-51 us on an H200, DESIGN.md) plus a thread wake-up, rather than the sleep
 // back-off's (up to sleep_max); a blocking-sync cudaEventSynchronize woke 0.23 ms late there
-// (await_bench's idle section compares the two).
+// (await_bench's idle section compares the two). The scheduler uses these where a timer is
+// pending or the doorbell is unavailable; otherwise its own thread blocks in the driver on a
+// doorbell that stream-written sentinels ring (detail/doorbell.hpp), one thread wake-up fewer.
 //
 // Why a host function on a private stream, and not a thread blocked in cudaEventSynchronize:
 // - cudaStreamWaitEvent captures the event's last record when it is called, so the scheduler may
