@@ -42,7 +42,10 @@
 namespace cudawait::detail {
 
 /// Host copies finished on worker threads, handed to one coroutine on its scheduler's thread.
-class staging_signal {
+/// A class template (`Unused` is always void; use staging_signal) so that only a translation
+/// unit that runs a batch instantiates its std::function, shared state and vector.
+template <class Unused = void>
+class basic_staging_signal {
 public:
     using clock = std::chrono::steady_clock;
 
@@ -52,11 +55,11 @@ public:
         clock::time_point at;
     };
 
-    staging_signal() : m_state(std::make_shared<state>()) {}
-    staging_signal(const staging_signal&) = delete;
-    staging_signal& operator=(const staging_signal&) = delete;
+    basic_staging_signal() : m_state(std::make_shared<state>()) {}
+    basic_staging_signal(const basic_staging_signal&) = delete;
+    basic_staging_signal& operator=(const basic_staging_signal&) = delete;
     /// Waits for the copies still running (they write memory the caller owns).
-    ~staging_signal() {
+    ~basic_staging_signal() {
         std::unique_lock lock(m_state->mutex);
         m_state->idle.wait(lock, [this] { return m_state->outstanding == 0; });
     }
@@ -172,6 +175,8 @@ private:
 
     std::shared_ptr<state> m_state;
 };
+
+using staging_signal = basic_staging_signal<>;
 
 /// The batch's staging rings (see the top of this file). Loop thread only, but for the copies.
 template <class In, class Out>
