@@ -95,34 +95,11 @@ public:
     /// `co_await wait(poll)`: resumes once a finished copy is waiting to be taken, or after
     /// `poll` at the latest (the caller checks the GPU meanwhile; and a wake-up lost to a failed
     /// post only costs that long). Loop thread only.
-    [[nodiscard]] auto wait(std::chrono::nanoseconds poll) {
-        struct awaiter {
-            std::shared_ptr<state> st;
-            std::chrono::nanoseconds poll;
-
-            bool await_ready() const {
-                std::lock_guard lock(st->mutex);
-                return !st->done.empty();
-            }
-            bool await_suspend(std::coroutine_handle<> h) {
-                {
-                    std::lock_guard lock(st->mutex);
-                    if (!st->done.empty()) {
-                        return false;
-                    }
-                    st->waiter = h;
-                }
-                // A wake posted meanwhile runs on this thread after we return: it finds the
-                // timer set and cancels it.
-                st->timer = scheduler_access::add_timer(*st->sched, clock::now() + poll, [s = st] {
-                    s->timer = nullptr; // it fired
-                    s->wake();
-                });
-                return true;
-            }
-            void await_resume() const noexcept {}
-        };
-        return awaiter{m_state, poll};
+    /// What wait() returns (defined below, after the state it holds): a named type, so that a
+    /// caller's declaration does not instantiate wait() to learn it.
+    struct wait_awaiter;
+    [[nodiscard]] wait_awaiter wait(std::chrono::nanoseconds poll) {
+        return wait_awaiter{m_state, poll};
     }
 
 private:
@@ -173,6 +150,35 @@ private:
         }
     };
 
+public:
+    struct wait_awaiter {
+        std::shared_ptr<state> st;
+        std::chrono::nanoseconds poll;
+
+        bool await_ready() const {
+            std::lock_guard lock(st->mutex);
+            return !st->done.empty();
+        }
+        bool await_suspend(std::coroutine_handle<> h) {
+            {
+                std::lock_guard lock(st->mutex);
+                if (!st->done.empty()) {
+                    return false;
+                }
+                st->waiter = h;
+            }
+            // A wake posted meanwhile runs on this thread after we return: it finds the
+            // timer set and cancels it.
+            st->timer = scheduler_access::add_timer(*st->sched, clock::now() + poll, [s = st] {
+                s->timer = nullptr; // it fired
+                s->wake();
+            });
+            return true;
+        }
+        void await_resume() const noexcept {}
+    };
+
+private:
     std::shared_ptr<state> m_state;
 };
 
