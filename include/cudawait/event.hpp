@@ -210,16 +210,16 @@ public:
     ///         fork() after the pools were made (their events belong to the parent's CUDA
     ///         context, which a child cannot use)
     [[nodiscard]] static event_pool& for_device(int dev) {
-        static std::vector<std::unique_ptr<event_pool>> pools = make_pools();
-        if (!pools.empty() && pools.front()->m_stamp.inherited()) {
+        static const device_pools pools;
+        if (pools.count > 0 && pools.pools[0]->m_stamp.inherited()) {
             throw usage_error("cudawait::event_pool::for_device used in a child process after "
                               "fork(); CUDA state cannot be inherited: use CUDA in the child "
                               "only if the parent did not, or exec a new program");
         }
-        if (dev < 0 || static_cast<std::size_t>(dev) >= pools.size()) {
+        if (dev < 0 || dev >= pools.count) {
             throw cuda_error(cudaErrorInvalidDevice, "event_pool::for_device");
         }
-        return *pools[static_cast<std::size_t>(dev)];
+        return *pools.pools[dev];
     }
 
     event_pool(const event_pool&) = delete;
@@ -284,15 +284,35 @@ public:
 
 private:
     explicit event_pool(int dev) : m_device(dev) {}
-    static std::vector<std::unique_ptr<event_pool>> make_pools() {
-        int n = device_count();
-        std::vector<std::unique_ptr<event_pool>> v;
-        v.reserve(static_cast<std::size_t>(n));
-        for (int i = 0; i < n; ++i) {
-            v.emplace_back(new event_pool(i));
+
+    // One pool per device, made on first use and destroyed at exit. A plain array rather than a
+    // std::vector of std::unique_ptr: every translation unit compiles this function, and those
+    // templates' instantiations were a measurable part of its cost.
+    struct device_pools {
+        device_pools() : count(device_count()) {
+            pools = new event_pool*[static_cast<std::size_t>(count)]();
+            try {
+                for (int i = 0; i < count; ++i) {
+                    pools[i] = new event_pool(i);
+                }
+            } catch (...) {
+                release();
+                throw;
+            }
         }
-        return v;
-    }
+        device_pools(const device_pools&) = delete;
+        device_pools& operator=(const device_pools&) = delete;
+        ~device_pools() { release(); }
+        void release() noexcept {
+            for (int i = 0; i < count; ++i) {
+                delete pools[i];
+            }
+            delete[] pools;
+        }
+
+        int count;
+        event_pool** pools = nullptr;
+    };
 
     int m_device;
     detail::fork_stamp m_stamp; ///< the process whose CUDA context owns the events

@@ -1271,12 +1271,14 @@ constexpr void get_property(const pinned_pool&, cuda::mr::host_accessible) noexc
 constexpr void get_property(const pinned_pool&, cuda::mr::device_accessible) noexcept {}
 #endif
 
-/// A pinned_pool seen as a cuda::mr resource, by pointer: copies view the same pool and compare
-/// equal. Every call goes to the pool, so its errors are the pool's. Views of a destroyed pool
-/// must not be used.
-class pinned_pool_resource {
+namespace detail {
+/// Everything `pinned_pool_resource` is, as a class template it derives from: its members call
+/// the pool's allocation paths, which a non-template class would instantiate in every
+/// translation unit. `Unused` is always void.
+template <class Unused = void>
+class basic_pinned_pool_resource {
 public:
-    explicit pinned_pool_resource(pinned_pool& pool) noexcept : m_pool(&pool) {}
+    explicit basic_pinned_pool_resource(pinned_pool& pool) noexcept : m_pool(&pool) {}
 
     [[nodiscard]] pinned_pool& pool() const noexcept { return *m_pool; }
 
@@ -1318,12 +1320,24 @@ public:
     }
 #endif
 
-    friend bool operator==(const pinned_pool_resource& a, const pinned_pool_resource& b) noexcept {
+    friend bool operator==(const basic_pinned_pool_resource& a,
+                           const basic_pinned_pool_resource& b) noexcept {
         return a.m_pool == b.m_pool;
     }
 
 private:
     pinned_pool* m_pool;
+};
+} // namespace detail
+
+/// A pinned_pool seen as a cuda::mr resource, by pointer: copies view the same pool and compare
+/// equal. Every call goes to the pool, so its errors are the pool's. Views of a destroyed pool
+/// must not be used.
+///
+/// (Its members are those of detail::basic_pinned_pool_resource.)
+class pinned_pool_resource : public detail::basic_pinned_pool_resource<> {
+public:
+    using detail::basic_pinned_pool_resource<>::basic_pinned_pool_resource;
 };
 
 template <class Unused>

@@ -491,22 +491,23 @@ public:
     using detail::basic_timeline<>::basic_timeline;
 };
 
-/// A host span on `track` from construction to destruction; records nothing when the
-/// timeline is null. `track` and `name` are kept as views: they must outlive the scope. Safe across
-/// co_await (it lives in the coroutine's frame).
-class timeline_scope {
+namespace detail {
+/// Everything `timeline_scope` is, as a class template it derives from, so that only a
+/// translation unit that makes a scope instantiates timeline::record. `Unused` is always void.
+template <class Unused = void>
+class basic_timeline_scope {
 public:
-    timeline_scope(timeline* t, std::string_view track, std::string_view name,
-                   std::size_t chunk = timeline::no_chunk)
+    basic_timeline_scope(timeline* t, std::string_view track, std::string_view name,
+                         std::size_t chunk = timeline::no_chunk)
         : m_timeline(t), m_track(track), m_name(name), m_chunk(chunk) {
         if (m_timeline != nullptr) {
             m_start = timeline::clock::now();
         }
     }
-    timeline_scope(const timeline_scope&) = delete;
-    timeline_scope& operator=(const timeline_scope&) = delete;
+    basic_timeline_scope(const basic_timeline_scope&) = delete;
+    basic_timeline_scope& operator=(const basic_timeline_scope&) = delete;
     /// Records the span; a failure to record (out of memory) is not thrown from here.
-    ~timeline_scope() {
+    ~basic_timeline_scope() {
         if (m_timeline == nullptr) {
             return;
         }
@@ -522,6 +523,18 @@ private:
     std::string_view m_name;
     std::size_t m_chunk;
     timeline::clock::time_point m_start{};
+};
+
+} // namespace detail
+
+/// A host span on `track` from construction to destruction; records nothing when the
+/// timeline is null. `track` and `name` are kept as views: they must outlive the scope. Safe across
+/// co_await (it lives in the coroutine's frame).
+///
+/// (Its members are those of detail::basic_timeline_scope.)
+class timeline_scope : public detail::basic_timeline_scope<> {
+public:
+    using detail::basic_timeline_scope<>::basic_timeline_scope;
 };
 
 } // namespace cudawait

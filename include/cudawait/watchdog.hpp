@@ -100,27 +100,29 @@ inline constexpr char heartbeat_ptx[] = R"(
 
 /// Per device, for the process's life: the heartbeat kernel and the mapped counter that every
 /// heartbeat on that device increments (any advance proves the context alive, whichever
-/// watchdog launched it). Thread-safe.
-class heartbeat_kernel {
+/// watchdog launched it). Thread-safe. A class template (`Unused` is always void; use
+/// heartbeat_kernel) so that only a translation unit that runs a watchdog instantiates it.
+template <class Unused = void>
+class basic_heartbeat_kernel {
 public:
     /// @throws cuda_error when the runtime, the driver or the JIT fails
-    [[nodiscard]] static heartbeat_kernel& for_device(int dev) {
+    [[nodiscard]] static basic_heartbeat_kernel& for_device(int dev) {
         static std::mutex mutex;
-        static std::vector<std::unique_ptr<heartbeat_kernel>> kernels;
+        static std::vector<std::unique_ptr<basic_heartbeat_kernel>> kernels;
         std::lock_guard lock(mutex);
         if (static_cast<std::size_t>(dev) >= kernels.size()) {
             kernels.resize(static_cast<std::size_t>(dev) + 1);
         }
         auto& k = kernels[static_cast<std::size_t>(dev)];
         if (!k) {
-            k.reset(new heartbeat_kernel(dev));
+            k.reset(new basic_heartbeat_kernel(dev));
         }
         return *k;
     }
-    heartbeat_kernel(const heartbeat_kernel&) = delete;
-    heartbeat_kernel& operator=(const heartbeat_kernel&) = delete;
+    basic_heartbeat_kernel(const basic_heartbeat_kernel&) = delete;
+    basic_heartbeat_kernel& operator=(const basic_heartbeat_kernel&) = delete;
     // The module stays loaded: the primary context goes with the process.
-    ~heartbeat_kernel() { report(cudaFreeHost(m_host), "cudaFreeHost"); }
+    ~basic_heartbeat_kernel() { report(cudaFreeHost(m_host), "cudaFreeHost"); }
 
     /// Heartbeats that ran on this device so far.
     [[nodiscard]] std::uint64_t beats() const noexcept {
@@ -153,7 +155,7 @@ private:
         return reinterpret_cast<Fn>(fn);
     }
 
-    explicit heartbeat_kernel(int dev) {
+    explicit basic_heartbeat_kernel(int dev) {
         device_guard guard{device_ref(dev)};
         // Allocating first also makes the device's primary context current for the driver.
         check(cudaHostAlloc(reinterpret_cast<void**>(&m_host), sizeof(std::uint64_t),
@@ -181,6 +183,8 @@ private:
     CUfunction m_function = nullptr;
     launch_fn m_launch = nullptr;
 };
+
+using heartbeat_kernel = basic_heartbeat_kernel<>;
 
 } // namespace detail
 

@@ -20,7 +20,11 @@ namespace cudawait::detail {
 /// samples. `v` is reordered. The rank is computed in integers: a double product such as
 /// 0.29 * 100 would round the wrong way.
 /// @throws std::invalid_argument for an empty `v` or `percent` outside 1..100
-[[nodiscard]] inline double nearest_rank(std::span<double> v, unsigned percent) {
+///
+/// A function template (`Unused` is always void), like basic_latency_window: only a translation
+/// unit that asks for percentiles instantiates std::nth_element.
+template <class Unused = void>
+[[nodiscard]] double nearest_rank(std::span<double> v, unsigned percent) {
     if (v.empty() || percent == 0 || percent > 100) {
         throw std::invalid_argument("nearest_rank: needs samples and a percent in 1..100");
     }
@@ -30,12 +34,15 @@ namespace cudawait::detail {
     return *at;
 }
 
-/// The latencies of the last `capacity` chunks, and the maximum of all since clear().
-class latency_window {
+/// The latencies of the last `capacity` chunks, and the maximum of all since clear(). A class
+/// template (`Unused` is always void; use latency_window) so that only a translation unit that
+/// records latencies instantiates its vector and std::nth_element.
+template <class Unused = void>
+class basic_latency_window {
 public:
     static constexpr std::size_t default_capacity = 65536;
 
-    explicit latency_window(std::size_t capacity = default_capacity)
+    explicit basic_latency_window(std::size_t capacity = default_capacity)
         : m_capacity(std::max<std::size_t>(capacity, 1)) {}
 
     /// Forgets the samples; the first call also reserves the window, which is kept.
@@ -80,5 +87,8 @@ private:
     std::size_t m_next = 0; // the oldest sample once the window is full
     double m_max = 0;
 };
+
+/// The window the pipelines' monitor keeps.
+using latency_window = basic_latency_window<>;
 
 } // namespace cudawait::detail

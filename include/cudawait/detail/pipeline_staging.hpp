@@ -42,7 +42,10 @@
 namespace cudawait::detail {
 
 /// Host copies finished on worker threads, handed to one coroutine on its scheduler's thread.
-class staging_signal {
+/// A class template (`Unused` is always void; use staging_signal) so that only a translation
+/// unit that runs a batch instantiates its std::function, shared state and vector.
+template <class Unused = void>
+class basic_staging_signal {
 public:
     using clock = std::chrono::steady_clock;
 
@@ -52,11 +55,11 @@ public:
         clock::time_point at;
     };
 
-    staging_signal() : m_state(std::make_shared<state>()) {}
-    staging_signal(const staging_signal&) = delete;
-    staging_signal& operator=(const staging_signal&) = delete;
+    basic_staging_signal() : m_state(std::make_shared<state>()) {}
+    basic_staging_signal(const basic_staging_signal&) = delete;
+    basic_staging_signal& operator=(const basic_staging_signal&) = delete;
     /// Waits for the copies still running (they write memory the caller owns).
-    ~staging_signal() {
+    ~basic_staging_signal() {
         std::unique_lock lock(m_state->mutex);
         m_state->idle.wait(lock, [this] { return m_state->outstanding == 0; });
     }
@@ -92,34 +95,11 @@ public:
     /// `co_await wait(poll)`: resumes once a finished copy is waiting to be taken, or after
     /// `poll` at the latest (the caller checks the GPU meanwhile; and a wake-up lost to a failed
     /// post only costs that long). Loop thread only.
-    [[nodiscard]] auto wait(std::chrono::nanoseconds poll) {
-        struct awaiter {
-            std::shared_ptr<state> st;
-            std::chrono::nanoseconds poll;
-
-            bool await_ready() const {
-                std::lock_guard lock(st->mutex);
-                return !st->done.empty();
-            }
-            bool await_suspend(std::coroutine_handle<> h) {
-                {
-                    std::lock_guard lock(st->mutex);
-                    if (!st->done.empty()) {
-                        return false;
-                    }
-                    st->waiter = h;
-                }
-                // A wake posted meanwhile runs on this thread after we return: it finds the
-                // timer set and cancels it.
-                st->timer = scheduler_access::add_timer(*st->sched, clock::now() + poll, [s = st] {
-                    s->timer = nullptr; // it fired
-                    s->wake();
-                });
-                return true;
-            }
-            void await_resume() const noexcept {}
-        };
-        return awaiter{m_state, poll};
+    /// What wait() returns (defined below, after the state it holds): a named type, so that a
+    /// caller's declaration does not instantiate wait() to learn it.
+    struct wait_awaiter;
+    [[nodiscard]] wait_awaiter wait(std::chrono::nanoseconds poll) {
+        return wait_awaiter{m_state, poll};
     }
 
 private:
@@ -170,8 +150,39 @@ private:
         }
     };
 
+public:
+    struct wait_awaiter {
+        std::shared_ptr<state> st;
+        std::chrono::nanoseconds poll;
+
+        bool await_ready() const {
+            std::lock_guard lock(st->mutex);
+            return !st->done.empty();
+        }
+        bool await_suspend(std::coroutine_handle<> h) {
+            {
+                std::lock_guard lock(st->mutex);
+                if (!st->done.empty()) {
+                    return false;
+                }
+                st->waiter = h;
+            }
+            // A wake posted meanwhile runs on this thread after we return: it finds the
+            // timer set and cancels it.
+            st->timer = scheduler_access::add_timer(*st->sched, clock::now() + poll, [s = st] {
+                s->timer = nullptr; // it fired
+                s->wake();
+            });
+            return true;
+        }
+        void await_resume() const noexcept {}
+    };
+
+private:
     std::shared_ptr<state> m_state;
 };
+
+using staging_signal = basic_staging_signal<>;
 
 /// The batch's staging rings (see the top of this file). Loop thread only, but for the copies.
 template <class In, class Out>

@@ -16,11 +16,13 @@
 namespace cudawait::detail {
 
 /// Coroutines waiting for a condition on one scheduler's thread; notify resumes them all (they
-/// check their condition again).
-class wait_list {
+/// check their condition again). A class template (`Unused` is always void; use wait_list) so
+/// that only a translation unit that waits on one instantiates its vectors and shared state.
+template <class Unused = void>
+class basic_wait_list {
 public:
     struct awaiter {
-        wait_list* list;
+        basic_wait_list* list;
         scheduler* sched;
         bool await_ready() const noexcept { return false; }
         void await_suspend(std::coroutine_handle<> h) { list->m_waiting.emplace_back(h, sched); }
@@ -40,7 +42,7 @@ public:
     /// co_await resumes on a notify (true) or at `deadline` (false). Loop thread only, like
     /// the rest of the list; a deadline already passed returns false without suspending.
     struct timed_awaiter {
-        wait_list* list;
+        basic_wait_list* list;
         scheduler* sched;
         std::chrono::steady_clock::time_point deadline;
         std::shared_ptr<timed_waiter> state = std::make_shared<timed_waiter>();
@@ -93,5 +95,7 @@ private:
     std::vector<std::pair<std::coroutine_handle<>, scheduler*>> m_waiting;
     std::vector<std::shared_ptr<timed_waiter>> m_timed;
 };
+
+using wait_list = basic_wait_list<>;
 
 } // namespace cudawait::detail
