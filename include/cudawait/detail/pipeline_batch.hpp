@@ -321,8 +321,10 @@ private:
         if (!room || m_staging.ready(next)) {
             co_return false; // the usual path starts the next chunk, or retires the oldest
         }
-        if (!m_staging.busy()) {
-            // No copy runs: the buffers the next chunk needs are held by chunks on the GPU.
+        if (!m_staging.unsettled()) {
+            // No copy runs, and none finished since note_landed() looked (a copy that finished
+            // just after it is taken by the next step, after the wait below returns at once):
+            // the buffers the next chunk needs are held by chunks on the GPU.
             if (b.inflight.empty()) {
                 throw std::logic_error("cudawait pipeline: staging holds no chunk in flight but "
                                        "has no buffer free");

@@ -83,6 +83,14 @@ public:
         return m_state->outstanding;
     }
 
+    /// Copies handed out whose finish the loop has not taken yet: still running, or finished
+    /// and waiting for take(). A worker counts its copy finished only after it queued it for
+    /// take(), so outstanding() can be 0 while a finished copy is still to be taken.
+    [[nodiscard]] bool unsettled() const {
+        std::lock_guard lock(m_state->mutex);
+        return m_state->outstanding != 0 || !m_state->done.empty();
+    }
+
     /// Moves the finished copies into `out` (loop thread).
     void take(std::vector<finished>& out) {
         std::lock_guard lock(m_state->mutex);
@@ -230,6 +238,9 @@ public:
 
     /// Copies running on the workers.
     [[nodiscard]] bool busy() const { return m_signal.outstanding() != 0; }
+    /// Copies running, or finished since the last collect(): a buffer may change state at the
+    /// next collect().
+    [[nodiscard]] bool unsettled() const { return m_signal.unsettled(); }
 
     /// The next chunk whose input is to be staged, if an input buffer is free for it.
     [[nodiscard]] bool can_start_in(std::size_t chunks) const noexcept {
