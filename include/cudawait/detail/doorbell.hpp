@@ -53,6 +53,7 @@
 #include <cudawait/error.hpp>
 
 #include <cudawait/detail/fork_guard.hpp>
+#include <cudawait/detail/idle_watch.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -592,26 +593,7 @@ private:
         } catch (...) {
             return cudaErrorMemoryAllocation;
         }
-        int previous = 0;
-        if (cudaError_t st = cudaGetDevice(&previous); st != cudaSuccess) {
-            return st;
-        }
-        if (previous != device) {
-            if (cudaError_t st = cudaSetDevice(device); st != cudaSuccess) {
-                return st;
-            }
-        }
-        // Non-blocking: the legacy default stream must not order it. Lowest priority: its only
-        // work is a wait and a write.
-        int least = 0;
-        int greatest = 0;
-        cudaError_t st = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-        if (st == cudaSuccess) {
-            st = cudaStreamCreateWithPriority(&out, cudaStreamNonBlocking, least);
-        }
-        if (previous != device) {
-            report(cudaSetDevice(previous), "cudaSetDevice");
-        }
+        const cudaError_t st = make_sentinel_stream(device, out);
         if (st == cudaSuccess) {
             m_streams.push_back({device, out});
         }

@@ -45,6 +45,32 @@
 
 namespace cudawait::detail {
 
+/// Makes a stream for a sentinel of `device`, restoring the current device: non-blocking (the
+/// legacy default stream must not order it) and of the lowest priority (its only work is a
+/// wait and a signal: a host function, or a write to a doorbell word). Returns the status.
+template <class = void>
+cudaError_t make_sentinel_stream(int device, cudaStream_t& out) noexcept {
+    int previous = 0;
+    if (cudaError_t st = cudaGetDevice(&previous); st != cudaSuccess) {
+        return st;
+    }
+    if (previous != device) {
+        if (cudaError_t st = cudaSetDevice(device); st != cudaSuccess) {
+            return st;
+        }
+    }
+    int least = 0;
+    int greatest = 0;
+    cudaError_t st = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (st == cudaSuccess) {
+        st = cudaStreamCreateWithPriority(&out, cudaStreamNonBlocking, least);
+    }
+    if (previous != device) {
+        report(cudaSetDevice(previous), "cudaSetDevice");
+    }
+    return st;
+}
+
 /// Sentinels that wake their owner when an awaited event completes. Owner's thread only, except
 /// for the host functions it launches.
 class idle_watch {
@@ -195,26 +221,7 @@ private:
     }
     cudaError_t create_stream(int device, cudaStream_t& s) {
         m_streams.reserve(m_streams.size() + 1); // no throw once the stream exists
-        int previous = 0;
-        if (cudaError_t st = cudaGetDevice(&previous); st != cudaSuccess) {
-            return st;
-        }
-        if (previous != device) {
-            if (cudaError_t st = cudaSetDevice(device); st != cudaSuccess) {
-                return st;
-            }
-        }
-        // Non-blocking: the legacy default stream must not order it. Lowest priority: its only
-        // work is a wait and a host function.
-        int least = 0;
-        int greatest = 0;
-        cudaError_t st = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-        if (st == cudaSuccess) {
-            st = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, least);
-        }
-        if (previous != device) {
-            report(cudaSetDevice(previous), "cudaSetDevice");
-        }
+        const cudaError_t st = make_sentinel_stream(device, s);
         if (st == cudaSuccess) {
             m_streams.push_back({device, s});
         }
