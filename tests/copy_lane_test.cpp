@@ -42,6 +42,7 @@ using cudawait::device_ref;
 using cudawait::lane;
 using u32 = std::uint32_t;
 
+using cudawait::testing::random_bytes;
 using cudawait::testing::random_words;
 
 // ---- without a device ------------------------------------------------------------------------
@@ -237,16 +238,6 @@ TEST(copy_lane, sm_copies_are_off_by_default) {
     EXPECT_EQ(cudawait::copy_options{}.sm_copy_bytes, 0u);
     EXPECT_NE(std::strstr(cudawait::detail::sm_copy_ptx, cudawait::detail::sm_copy_kernel_name),
               nullptr);
-}
-
-/// Random bytes.
-std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::vector<std::uint8_t> v(n);
-    for (auto& b : v) {
-        b = static_cast<std::uint8_t>(rng());
-    }
-    return v;
 }
 
 // Every size and alignment the kernel treats differently (16-byte words, 4-byte words, bytes;

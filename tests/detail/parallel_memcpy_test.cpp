@@ -11,20 +11,10 @@
 #include <thread>
 #include <vector>
 
+#include "../random_words.hpp"
 #include <gtest/gtest.h>
 
-namespace {
-
-std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::vector<std::uint8_t> v(n);
-    for (auto& b : v) {
-        b = static_cast<std::uint8_t>(rng());
-    }
-    return v;
-}
-
-} // namespace
+using cudawait::testing::random_bytes;
 
 // Sizes that do not split evenly: with 5 parts of 5 MiB + 3 bytes, rounding each part down to
 // n / parts left the last 3 bytes uncopied. Several thread counts, so the split is exercised
