@@ -22,6 +22,11 @@
 //                                     poll_policy (sentinels: balanced, its sleep phase woken by
 //                                     sentinels; with no timer pending the loop blocks in the
 //                                     driver on the doorbell that they write)
+//        BM_idle_cpu_balanced_unpredicted  balanced with `predict` off: what a wait unlike
+//                                     the loop's recent ones gets (for information; balanced
+//                                     itself sleeps until shortly before the end its last waits
+//                                     predict, and the warm-up's and earlier rounds' waits are
+//                                     what it learns from)
 //        BM_idle_cpu_sentinels_host_func   sentinels with the doorbell hidden (as where the
 //                                     driver lacks stream memory operations, or a timer is
 //                                     pending): host-function sentinels and a condition variable
@@ -84,7 +89,7 @@ constexpr int kAwaitsPerWaiter = 50;         ///< awaits each waiter performs
 constexpr std::uint64_t kCompletions = std::uint64_t{kWaiters} * kAwaitsPerWaiter; // 500k
 constexpr std::int64_t kThroughputRuns = 5;         ///< timed runs per throughput benchmark
 constexpr std::chrono::milliseconds kIdleWait{200}; ///< GPU time of the idle benchmark's kernel
-constexpr std::int64_t kIdleRuns = 3;               ///< timed waits per idle benchmark
+constexpr std::int64_t kIdleRuns = 5;               ///< timed waits per idle benchmark
 
 // ---- results shared with the summary printed by main() ---------------------------------------
 
@@ -791,6 +796,13 @@ void BM_idle_cpu_sleeping(benchmark::State& state) {
 void BM_idle_cpu_balanced(benchmark::State& state) {
     guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::balanced(), "balanced"); });
 }
+void BM_idle_cpu_balanced_unpredicted(benchmark::State& state) {
+    guarded(state, [&] {
+        cudawait::poll_policy p = cudawait::poll_policy::balanced();
+        p.predict = false;
+        idle_cpu(state, p, "balanced_unpredicted");
+    });
+}
 void BM_idle_cpu_sentinels(benchmark::State& state) {
     guarded(state, [&] { idle_cpu(state, cudawait::poll_policy::sentinels(), "sentinels"); });
 }
@@ -852,6 +864,7 @@ void register_benchmarks() {
           std::pair{"BM_idle_cpu_yielding", &BM_idle_cpu_yielding},
           std::pair{"BM_idle_cpu_sleeping", &BM_idle_cpu_sleeping},
           std::pair{"BM_idle_cpu_balanced", &BM_idle_cpu_balanced},
+          std::pair{"BM_idle_cpu_balanced_unpredicted", &BM_idle_cpu_balanced_unpredicted},
           std::pair{"BM_idle_cpu_sentinels", &BM_idle_cpu_sentinels},
           std::pair{"BM_idle_cpu_sentinels_host_func", &BM_idle_cpu_sentinels_host_func},
           std::pair{"BM_idle_cpu_blocking_sync", &BM_idle_cpu_blocking_sync}}) {
@@ -948,8 +961,9 @@ void print_summary() {
                     static_cast<long long>(kIdleWait.count()),
                     static_cast<long long>(kIdleWait.count()));
         const auto floor = g_overshoot_us.find("spinning");
-        for (const char* k : {"spinning", "yielding", "sleeping", "balanced", "sentinels",
-                              "sentinels_host_func", "blocking_sync"}) {
+        for (const char* k :
+             {"spinning", "yielding", "sleeping", "balanced", "balanced_unpredicted", "sentinels",
+              "sentinels_host_func", "blocking_sync"}) {
             if (auto it = g_cpu_fraction.find(k); it != g_cpu_fraction.end()) {
                 const double overshoot = g_overshoot_us[k];
                 std::printf("  %-20s cpu_fraction %6.3f   overshoot %9.1f us", k, it->second,
@@ -966,7 +980,8 @@ void print_summary() {
                         static_cast<unsigned long long>(g_doorbell_rounds),
                         static_cast<long long>(kIdleRuns));
         }
-        for (const char* k : {"balanced", "sentinels", "sentinels_host_func"}) {
+        for (const char* k :
+             {"balanced", "balanced_unpredicted", "sentinels", "sentinels_host_func"}) {
             std::printf("  idle wake-up: %s overshoot / blocking-sync overshoot: %s (target <= "
                         "1.0)\n",
                         k, ratio(g_overshoot_us, k, "blocking_sync").c_str());

@@ -577,15 +577,96 @@ TEST_F(scheduler_gpu, sleeping_policy_still_resumes) {
 
 // ---- sentinels and burst completions ---------------------------------------------------------
 
-TEST(scheduler, only_the_sentinels_policy_arms_sentinels) {
-    static_assert(poll_policy::sentinels().sentinel && !poll_policy{}.sentinel);
+TEST(scheduler, the_default_arms_host_function_sentinels_and_only_sentinels_rings_a_doorbell) {
+    static_assert(poll_policy{}.sentinel && !poll_policy{}.doorbell && poll_policy{}.predict);
+    static_assert(poll_policy::sentinels().sentinel && poll_policy::sentinels().doorbell);
     static_assert(poll_policy::sentinels().sentinel_poll > poll_policy::sentinels().sleep_max);
+    static_assert(poll_policy::balanced().sentinel_poll > poll_policy::balanced().sleep_max);
     static_assert(poll_policy::sentinels().spin == poll_policy::balanced().spin &&
                   poll_policy::sentinels().yield == poll_policy::balanced().yield);
-    static_assert(!poll_policy::balanced().sentinel && !poll_policy::spinning().sentinel &&
-                  !poll_policy::yielding().sentinel && !poll_policy::sleeping().sentinel);
+    static_assert(!poll_policy::spinning().sentinel && !poll_policy::yielding().sentinel &&
+                  !poll_policy::sleeping().sentinel);
+    static_assert(!poll_policy::spinning().predict && !poll_policy::yielding().predict &&
+                  poll_policy::sleeping().predict);
+    static_assert(!poll_policy::balanced().doorbell && !poll_policy::spinning().doorbell &&
+                  !poll_policy::yielding().doorbell && !poll_policy::sleeping().doorbell);
     scheduler s;
     EXPECT_EQ(cudawait::detail::scheduler_access::sentinel_streams(s), 0u);
+}
+
+// ---- predicted wake-ups (detail::wake_history) ------------------------------------------------
+
+using cudawait::detail::wake_history;
+
+TEST(wake_history, predicts_nothing_until_a_period_was_recorded) {
+    wake_history h;
+    EXPECT_FALSE(h.predict(0ns).has_value());
+    h.record(40ms);
+    ASSERT_TRUE(h.predict(0ns).has_value());
+    EXPECT_EQ(*h.predict(0ns), 40ms);
+    h.clear();
+    EXPECT_FALSE(h.predict(0ns).has_value());
+}
+
+TEST(wake_history, predicts_the_shortest_period_whose_window_is_still_ahead) {
+    wake_history h;
+    for (auto d : {200ms, 5ms, 50ms}) {
+        h.record(d);
+    }
+    EXPECT_EQ(h.predict(1ms), 5ms);
+    // 5 ms's window ends 5 ms + lead(5 ms) after the idle period began.
+    EXPECT_EQ(h.predict(5ms + wake_history::lead(5ms) - 1us), 5ms);
+    EXPECT_EQ(h.predict(5ms + wake_history::lead(5ms)), 50ms);
+    EXPECT_EQ(h.predict(60ms), 200ms);
+    EXPECT_FALSE(h.predict(200ms + wake_history::lead(200ms)).has_value());
+}
+
+TEST(wake_history, the_window_scales_with_the_period_within_bounds) {
+    EXPECT_EQ(wake_history::lead(1ms), 50us);
+    EXPECT_EQ(wake_history::lead(25600us), 100us);
+    EXPECT_EQ(wake_history::lead(200ms), 500us);
+    EXPECT_EQ(wake_history::lead(10s), 500us);
+}
+
+TEST(wake_history, keeps_only_the_most_recent_periods) {
+    wake_history h;
+    h.record(1ms); // the oldest: forgotten after `capacity` more
+    for (std::size_t i = 0; i < wake_history::capacity; ++i) {
+        h.record(100ms + std::chrono::milliseconds(i));
+    }
+    EXPECT_EQ(h.size(), wake_history::capacity);
+    EXPECT_EQ(h.predict(0ns), 100ms);
+}
+
+/// A policy whose only ways out of a sleep are 10 s away (back-off, no sentinels): a wait that
+/// ends well within that was woken by its prediction.
+poll_policy predict_only() {
+    poll_policy p = poll_policy::sleeping(10s, 10s);
+    p.predict = true;
+    return p;
+}
+
+TEST_F(scheduler_gpu, a_repeated_long_wait_is_woken_at_its_predicted_end) {
+    stream st;
+    mapped_words out(1);
+    // The first wait polls every millisecond, so its length (about 60 ms) is measured closely.
+    scheduler s(poll_policy::sleeping(1ms, 1ms));
+    std::uint32_t tag = 0x9E0;
+    auto wait_once = [&]() -> task<std::uint32_t> {
+        check(cudawait::testing::launch_spin(60'000'000, out.device, ++tag, st.get()), "launch");
+        co_await st;
+        co_return out.read(0);
+    };
+    EXPECT_EQ(sync_wait(s, wait_once()), tag);
+    // The next one would sleep 10 s without the prediction of the first.
+    s.set_policy(predict_only());
+    const auto t0 = clock_type::now();
+    EXPECT_EQ(sync_wait(s, wait_once()), tag);
+    const auto wall = clock_type::now() - t0;
+    EXPECT_GE(wall, 60ms);
+    EXPECT_LT(wall, 2s) << "not woken at the predicted end";
+    // With nothing learned a sleep is the policy's back-off: the prediction was what woke it.
+    EXPECT_EQ(s.pending().stream_waits, 0u);
 }
 
 /// Sentinels on, and every other way out of the sleep phase 30 s away: a long wait that resumes

@@ -2,8 +2,9 @@
 #pragma once
 
 // Synopsis
-//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep with back-off
-//                         (or, with poll_policy::sentinels(), woken when the GPU work completes)
+//   struct poll_policy;   how an idle scheduler waits: spin, then yield, then sleep until a
+//                         sentinel or the end its last idle periods predict wakes it (the
+//                         default, balanced()); spinning(), yielding(), sleeping(), sentinels()
 //   class scheduler;      the event loop that resumes coroutines when their GPU work finished
 //   sleep_for(d)          inside a task: `co_await sleep_for(5ms);`
 //   (with_timeout is in timeout.hpp)
@@ -19,18 +20,21 @@
 // Awaited user events are kept in a separate list and each is queried per sweep. No CUDA host
 // callbacks are used on this path: they cost ~5x the latency of polling and may not call CUDA.
 //
-// Sentinels (poll_policy::sentinels(), or `sentinel` set in a policy of your own). Once nothing
-// has been ready for the policy's spin and yield phases, the scheduler arms a sentinel per pending
-// wait (the head of each stream's FIFO and each user event). With no timer pending, a sentinel is
-// a private stream that waits for the event and then writes a doorbell word in mapped host
-// memory, and the loop thread blocks in cudaEventSynchronize on a blocking-sync event that a
-// waker stream records once the word is rung: the driver wakes the loop as directly as it wakes a
-// blocking sync. Posts, stops and a backstop every `sentinel_poll` ring the word from the host
-// (detail/doorbell.hpp). With a timer pending, or where the driver's stream memory operations are
-// missing, a sentinel runs a CUDA host function that wakes the loop instead, and the loop sleeps
-// on its condition variable until a sentinel, a post or a timer wakes it, polling every
-// `sentinel_poll` (detail/idle_watch.hpp). Either way: few wake-ups, and a resume soon after the
-// GPU finishes, where the sleep back-off alone would take up to `sleep_max`.
+// Long waits (poll_policy). Once nothing has been ready for the policy's spin phase, the loop
+// looks at how long its recent idle periods lasted before GPU work ended them: repeated work
+// (most programs' steady state) is likely to take as long again, so the loop sleeps until shortly
+// before that time and busy-polls around it (detail/wake_history.hpp), skipping the yield phase.
+// When it sleeps, it first arms a sentinel per pending wait (the head of each stream's FIFO and
+// each user event): a private stream that waits for the event and then runs a CUDA host function
+// that wakes the loop, which sleeps on its condition variable until a sentinel, a post, a timer or
+// the predicted end wakes it, polling every `sentinel_poll` (detail/idle_watch.hpp). With
+// poll_policy::sentinels() (`doorbell` on) and no timer pending, a sentinel writes a doorbell word
+// in mapped host memory instead, and the loop thread blocks in cudaEventSynchronize on a
+// blocking-sync event that a waker stream records once the word is rung: the driver wakes the
+// loop as directly as it wakes a blocking sync, but the waker's wait holds a hardware queue while
+// the loop sleeps. Posts, stops and a backstop every `sentinel_poll` ring the word from the host
+// (detail/doorbell.hpp). Either way: few wake-ups, and a resume soon after the GPU finishes,
+// where the sleep back-off alone would take up to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -48,6 +52,7 @@
 #include <cudawait/detail/detached.hpp>
 #include <cudawait/detail/doorbell.hpp>
 #include <cudawait/detail/idle_watch.hpp>
+#include <cudawait/detail/wake_history.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -62,6 +67,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <source_location>
 #include <stop_token>
 #include <thread>
@@ -80,15 +86,23 @@ namespace cudawait {
 /// doubling up to `sleep_max`. A post from another thread ends a sleep at once. With no GPU work
 /// pending the scheduler blocks until a post or its next timer, whatever the policy.
 ///
+/// With `predict` on, the loop remembers how long its last idle periods lasted before GPU work
+/// ended them (detail/wake_history.hpp). While one of them says when the present wait is likely
+/// to end, the loop sleeps from the end of `spin` (no yield phase) until shortly before that
+/// time and busy-polls from there until shortly after it: repeated work (the usual case) is then
+/// seen complete about as soon as a spinning loop would see it, at the CPU cost of a sleep. A
+/// prediction that misses costs one short polling window; the sleep phase goes on as below.
+///
 /// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
-/// stream that waits for the awaited event and then, with no timer pending, writes a doorbell
-/// word the loop thread is blocked on in the driver (cudaEventSynchronize), or, with a timer
-/// pending or without the driver's stream memory operations, runs a CUDA host function that
-/// wakes the loop. While every pending wait has one, the loop sleeps until a sentinel, a post or
-/// a timer wakes it, and polls only every `sentinel_poll`: that bounds the latency where a
-/// sentinel cannot fire (a context a fault killed) or fires late (CUDA may run the host
-/// functions of independent streams one at a time, so a user's long host function can hold one
-/// up), and how long the doorbell's wait can hold a hardware queue that other streams share
+/// stream that waits for the awaited event and then runs a CUDA host function that wakes the
+/// loop, which sleeps on its condition variable meanwhile. With `doorbell` on too (and no timer
+/// pending, and the driver's stream memory operations at hand) the sentinel writes a doorbell
+/// word instead, and the loop thread blocks in the driver (cudaEventSynchronize) until it is
+/// rung. While every pending wait has a sentinel, the loop sleeps until a sentinel, a post, a
+/// timer or a predicted end wakes it, and polls only every `sentinel_poll`: that bounds the
+/// latency where a sentinel cannot fire (a context a fault killed) or fires late (CUDA may run the
+/// host functions of independent streams one at a time, so a user's long host function can hold
+/// one up), and how long the doorbell's wait can hold a hardware queue that other streams share
 /// (and a device-wide synchronisation on another thread, which waits for that wait too).
 /// Where a sentinel cannot be armed (more than detail::idle_watch::max_armed waits, or a CUDA
 /// error) the loop sleeps with the back-off as before.
@@ -97,38 +111,65 @@ struct poll_policy {
     std::chrono::nanoseconds yield = std::chrono::microseconds(800);
     std::chrono::nanoseconds sleep_min = std::chrono::microseconds(20);
     std::chrono::nanoseconds sleep_max = std::chrono::microseconds(1000);
-    /// Sentinels wake the sleep phase when the GPU work completes (see above). Off in every
-    /// named policy but sentinels().
-    bool sentinel = false;
+    /// Sentinels wake the sleep phase when the GPU work completes (see above). On in balanced()
+    /// (the default) and sentinels().
+    bool sentinel = true;
     /// While sentinels watch every pending wait, the loop still polls this often.
-    std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(10);
+    std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(50);
+    /// Sentinels ring a doorbell the loop blocks on in the driver (see above). Only sentinels().
+    bool doorbell = false;
+    /// Sleeps until shortly before the end its recent idle periods predict (see above).
+    bool predict = true;
 
     /// Lowest latency, one core busy while anything is pending.
     [[nodiscard]] static constexpr poll_policy spinning() noexcept {
-        return {std::chrono::nanoseconds::max() / 4, std::chrono::nanoseconds(0),
-                std::chrono::microseconds(20), std::chrono::microseconds(1000), false};
+        return {std::chrono::nanoseconds::max() / 4,
+                std::chrono::nanoseconds(0),
+                std::chrono::microseconds(20),
+                std::chrono::microseconds(1000),
+                false,
+                std::chrono::milliseconds(50),
+                false,
+                false};
     }
     /// Polls between `std::this_thread::yield()` calls; gives the core away to other threads.
     [[nodiscard]] static constexpr poll_policy yielding() noexcept {
-        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds::max() / 4,
-                std::chrono::microseconds(20), std::chrono::microseconds(1000), false};
+        return {std::chrono::nanoseconds(0),
+                std::chrono::nanoseconds::max() / 4,
+                std::chrono::microseconds(20),
+                std::chrono::microseconds(1000),
+                false,
+                std::chrono::milliseconds(50),
+                false,
+                false};
     }
     /// Sleeps between polls from the start, backing off from `min` to `max`: little CPU, a
-    /// resume latency of up to `max`. No sentinels: arming them would cost a few driver calls
-    /// per wait, short ones included (set `sentinel` to have them).
+    /// resume latency of up to `max` (less for repeated work, with `predict`). No sentinels:
+    /// arming them would cost a few driver calls per wait, short ones included (set `sentinel`
+    /// to have them).
     [[nodiscard]] static constexpr poll_policy
     sleeping(std::chrono::nanoseconds min = std::chrono::microseconds(50),
              std::chrono::nanoseconds max = std::chrono::microseconds(2000)) noexcept {
-        return {std::chrono::nanoseconds(0), std::chrono::nanoseconds(0), min, max, false};
+        poll_policy p;
+        p.spin = p.yield = std::chrono::nanoseconds(0);
+        p.sleep_min = min;
+        p.sleep_max = max;
+        p.sentinel = false;
+        return p;
     }
-    /// The default: spin 200 us, yield until 1 ms, then sleep 20 us .. 1 ms.
+    /// The default: spin 200 us, yield until 1 ms, then sleep, woken by host-function sentinels
+    /// (polling every 50 ms; 20 us .. 1 ms back-off where none could be armed), and by the end
+    /// that the last idle periods predict.
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
-    /// balanced(), but the sleep phase is woken by sentinels (polling every 10 ms; 20 us .. 1 ms
-    /// back-off where no sentinel could be armed): fewer wake-ups while the GPU works long, and
-    /// a wake-up as prompt as a blocking sync's where no timer is pending.
+    /// balanced(), but the sentinels ring a doorbell the loop thread blocks on in the driver
+    /// (polling every 10 ms): a wake-up as prompt as a blocking sync's even for work never seen
+    /// before, where no timer is pending. The doorbell's wait holds one of the device's hardware
+    /// queues while the loop sleeps (up to 10 ms at a time): work other threads queue on streams
+    /// that share it waits that long.
     [[nodiscard]] static constexpr poll_policy sentinels() noexcept {
         poll_policy p;
-        p.sentinel = true;
+        p.doorbell = true;
+        p.sentinel_poll = std::chrono::milliseconds(10);
         return p;
     }
 };
@@ -347,7 +388,11 @@ private:
         auto backoff = m_policy.sleep_min;
         while (!done()) {
             if (step()) {
-                last_progress = clock::now();
+                const auto now = clock::now();
+                if (m_gpu_progress && now - last_progress > m_policy.spin) {
+                    m_wake_history.record(now - last_progress); // a wait that outlasted the spin
+                }
+                last_progress = now;
                 backoff = m_policy.sleep_min;
                 continue;
             }
@@ -638,8 +683,9 @@ private:
 
     bool step() {
         bool progress = take_remote();
-        progress |= poll_streams();
-        progress |= poll_events();
+        m_gpu_progress = poll_streams();
+        m_gpu_progress |= poll_events();
+        progress |= m_gpu_progress;
         progress |= fire_timers();
         progress |= run_ready();
         return progress;
@@ -857,18 +903,29 @@ private:
         const bool timers = !m_timers.empty();
         auto now = clock::now();
         bool watched = false;
+        std::optional<clock::time_point> wake_at; // shortly before a predicted end
         if (gpu) {
             auto idle_for = now - last_progress;
             if (idle_for < m_policy.spin) {
                 detail::cpu_relax();
                 return;
             }
-            if (idle_for - m_policy.spin < m_policy.yield) {
+            if (m_policy.predict) {
+                if (const auto d = m_wake_history.predict(idle_for)) {
+                    const auto lead = detail::wake_history::lead(*d);
+                    if (idle_for >= *d - lead) {
+                        detail::cpu_relax(); // within the window around the predicted end
+                        return;
+                    }
+                    wake_at = last_progress + (*d - lead);
+                }
+            }
+            if (!wake_at && idle_for - m_policy.spin < m_policy.yield) {
                 std::this_thread::yield();
                 return;
             }
             if (m_policy.sentinel) {
-                if (!timers && doorbell_wait()) {
+                if (m_policy.doorbell && !timers && doorbell_wait(wake_at)) {
                     return;
                 }
                 watched = watch_pending();
@@ -881,11 +938,14 @@ private:
         }
         if (gpu) {
             auto until = now + (watched ? m_policy.sentinel_poll : backoff);
+            if (wake_at) {
+                until = std::min(until, *wake_at);
+            }
             if (timers) {
                 until = std::min(until, m_timers.front()->deadline);
             }
             m_remote_cv.wait_until(lock, until);
-            if (!watched) {
+            if (!watched && !wake_at) {
                 backoff = std::min(backoff * 2, m_policy.sleep_max);
             }
         } else if (timers) {
@@ -924,7 +984,7 @@ private:
     /// be used this round: the caller arms host-function sentinels and sleeps instead. A post
     /// stores m_has_remote, then reads whether the loop is blocked; block() stores that, then
     /// reads m_has_remote: either the post rings or the loop does not block.
-    bool doorbell_wait() noexcept {
+    bool doorbell_wait(std::optional<clock::time_point> wake_at) noexcept {
         if (!m_doorbell.begin()) {
             return false;
         }
@@ -954,8 +1014,12 @@ private:
             m_doorbell.abandon();
             return done;
         }
-        return m_doorbell.block(m_has_remote, m_policy.sentinel_poll) !=
-               detail::doorbell::outcome::failed;
+        auto backstop = m_policy.sentinel_poll;
+        if (wake_at) {
+            backstop = std::min<std::chrono::nanoseconds>(
+                backstop, std::max<std::chrono::nanoseconds>(*wake_at - clock::now(), {}));
+        }
+        return m_doorbell.block(m_has_remote, backstop) != detail::doorbell::outcome::failed;
     }
 
     /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
@@ -1066,6 +1130,8 @@ private:
     poll_policy m_policy;
 
     // Loop-thread state.
+    detail::wake_history m_wake_history; ///< long idle periods GPU work ended (predict)
+    bool m_gpu_progress = false;         ///< the last step() completed GPU waits
     std::vector<std::coroutine_handle<>> m_ready;
     std::vector<std::coroutine_handle<>> m_ready_batch;
     std::unordered_map<cudaStream_t, detail::stream_fifo*> m_by_stream;
