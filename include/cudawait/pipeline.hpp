@@ -286,6 +286,20 @@ public:
     ///         still the caller's); cuda_error
     void submit(input_slot&& s, std::size_t count) { m_stream.submit(std::move(s), count); }
 
+    /// Submits the slot's chunk with its input read from `in` and its output written into `out`
+    /// (out.size() == output_size(in.size()), 1 <= in.size() <= chunk_elements) instead of the
+    /// slot's pinned buffers. Page-locked spans (pinned, registered, mapped) are copied from and
+    /// to directly; a pageable one goes through the slot's pinned buffer (a memcpy on this thread
+    /// now, for `in`; when next() delivers the chunk, for `out`). Both spans must stay valid, and
+    /// `in` unchanged, until next() delivered the chunk; its result's data() is `out`. A failed
+    /// chunk goes to the fallback with `in` and `out`.
+    /// @throws usage_error for an empty slot, empty/null/too long `in`, a mis-sized or null
+    ///         `out`, device memory, or after close() (the slot is then still the caller's);
+    ///         cuda_error
+    void submit(input_slot&& s, std::span<const In> in, std::span<Out> out) {
+        m_stream.submit(std::move(s), in, out);
+    }
+
     /// The next chunk's output, in submission order; std::nullopt once closed and drained,
     /// which ends the streaming session (a later call waits for the next session's chunks).
     /// @throws pipeline_error when the chunk failed and no fallback took it; what the fallback
