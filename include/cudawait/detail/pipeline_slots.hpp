@@ -38,7 +38,10 @@
 // both sides), the same event waits and records, one completion event; each stage is called
 // once per group (a group stage, one launch) or once per chunk of it in order (a per-chunk
 // stage), on the same stream, so the order rules above hold for the group as a whole, and the
-// chunks of a group share the slot's scratch in turn. Graph mode captures a full group's work
+// chunks of a group share the slot's scratch in turn. A streaming run whose chunks include views
+// of the caller's memory (flight::views) has host ends that are not one range: its H2D and D2H
+// are each one batch of pieces (copy_batch, detail/copy_pieces.hpp) on the same streams, with the
+// same waits and records, and it takes the plain path. Graph mode captures a full group's work
 // (per-chunk launches included) as the slot's graph: one replay per group. Without groups (G =
 // 1) a flight is one chunk and nothing differs from the above. The 256-byte scratch alignment
 // is unchanged; chunk j's device spans are aligned to their element type (and to 256 bytes

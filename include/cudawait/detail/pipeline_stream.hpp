@@ -39,6 +39,16 @@
 // it until it is used up or close() is called. queue_capacity counts slot groups: the queue
 // holds up to queue_capacity x G chunks. Without groups (G = 1) every chunk is its own run and
 // is enqueued by submit(), as before.
+//
+// Views (submit(slot, in, out)). A chunk may take its input from the caller's span and deliver
+// into the caller's output span instead of the slot's pinned chunk. A page-locked span is the
+// host end of the chunk's copy itself; a pageable one is staged through the slot's pinned chunk
+// (memcpy of `in` at submit(), of `out` when next() delivers the chunk), so that its copy is a
+// slot chunk's. Each run records its copies chunk by chunk as pieces (flight::h2d_pieces,
+// d2h_pieces; the slot's own chunks merged, each view its own piece); a run with any view copies
+// them as one batch each way and never replays the slot's graph. The fallback and the result
+// see the caller's spans. Runs are kept in a pool (m_flights) and reused once nothing refers to
+// them, so that their piece lists keep their capacity and a steady stream allocates no run.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
