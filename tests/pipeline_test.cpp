@@ -4650,7 +4650,7 @@ TEST_F(pipeline_gpu, bad_views_are_usage_errors_and_the_slot_stays_usable) {
     cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
         auto slot = co_await p.acquire();
         EXPECT_THROW(p.submit(std::move(slot), good_in, out.span().first(item - 1)), usage_error);
-        EXPECT_THROW(p.submit(std::move(slot), good_in, out.span()), usage_error) << "too long";
+        EXPECT_THROW(p.submit(std::move(slot), good_in, out.span()), usage_error) << "mis-sized";
         EXPECT_THROW(p.submit(std::move(slot), good_in, std::span<u32>()), usage_error);
         EXPECT_THROW(p.submit(std::move(slot), in.span().first(0), out.span().first(0)),
                      usage_error)
