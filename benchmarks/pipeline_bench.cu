@@ -99,8 +99,17 @@
 //        BM_stream_small/host_fill_bound    no GPU: the producer's and consumer's memcpy of every
 //                                           item alone, on one thread, through 32 MiB pinned rings
 //                                           (the bound of this producer and consumer)
-//      Summary: the best variant (named) / the 64 MiB batch figure of 3 (>= 0.35); the best
-//      variant / host_fill_bound, and host_fill_bound / the 64 MiB figure, for information.
+//        BM_stream_small/view_depth16       as depth16, but the producer submits views of the
+//                                           pinned input and output (submit(slot, in + off,
+//                                           out + off)): no host copy, the GPU copies from and to
+//                                           the caller's memory; the consumer only drops results
+//        BM_stream_small/view_grouped_depth8, view_group_stage_depth8
+//                                           as grouped_depth8 and group_stage_depth8 with views:
+//                                           a run's copies are one cudaMemcpyBatchAsync each way
+//                                           over its items' spans
+//      Summary: the best variant of all (named) / the 64 MiB batch figure of 3 (>= 0.35); the
+//      best view variant (named) / the same (>= 0.35); the best variant / host_fill_bound, and
+//      host_fill_bound / the 64 MiB figure, for information.
 //
 // GB/s means 10^9 input bytes per second of host wall time (steady_clock around the whole
 // batch, including its synchronisation); every figure in the summary is a median. All variants
@@ -221,6 +230,20 @@ std::string stream_group_name(const stream_group_case& c) {
            std::to_string(c.depth);
 }
 constexpr double kStreamTarget = 0.35; ///< streaming / the 64 MiB batch figure, at least
+/// 7, with views of the caller's pinned memory: depth16 and the grouped depth-8 cases.
+constexpr unsigned kStreamViewDepth = 16;
+constexpr unsigned kStreamViewGroupDepth = 8;
+constexpr const char* kStreamViewPrefix = "view_";
+/// The names of 7's view variants, in the order they are registered and printed.
+std::vector<std::string> stream_view_names() {
+    std::vector<std::string> v = {kStreamViewPrefix + ("depth" + std::to_string(kStreamViewDepth))};
+    for (const stream_group_case& c : kStreamGroupCases) {
+        if (c.depth == kStreamViewGroupDepth) {
+            v.push_back(kStreamViewPrefix + stream_group_name(c));
+        }
+    }
+    return v;
+}
 /// 7, the host copies alone: the producer's and consumer's memcpy per item, one thread.
 constexpr const char* kStreamFillBound = "host_fill_bound";
 constexpr std::size_t kStreamFillRingBytes = 32_MiB;
@@ -781,6 +804,33 @@ cudawait::task<void> stream_run(float_pipeline* pipe, const float* in, float* ou
                                       stream_consume(pipe, out, item));
 }
 
+/// The producer with views: item by item, each submitted as views of `in` and `out` at its
+/// offset (no host copy); then close().
+cudawait::task<void> stream_produce_views(float_pipeline* pipe, const float* in, float* out,
+                                          std::size_t n, std::size_t item) {
+    for (std::size_t off = 0; off < n; off += item) {
+        auto slot = co_await pipe->acquire();
+        const std::size_t k = std::min(item, n - off);
+        pipe->submit(std::move(slot), std::span<const float>(in + off, k),
+                     std::span<float>(out + off, k));
+    }
+    pipe->close();
+}
+
+/// The consumer with views: the outputs are in place already; each result is dropped, which
+/// gives its slot back.
+cudawait::task<void> stream_drain(float_pipeline* pipe) {
+    while (auto r = co_await pipe->next()) {
+    }
+}
+
+/// One streamed run with views.
+cudawait::task<void> stream_run_views(float_pipeline* pipe, const float* in, float* out,
+                                      std::size_t n, std::size_t item) {
+    (void)co_await cudawait::when_all(stream_produce_views(pipe, in, out, n, item),
+                                      stream_drain(pipe));
+}
+
 runs_by_variant measure_stream_small() {
     workload& w = work_data();
     cudawait::scheduler sched;
@@ -788,17 +838,17 @@ runs_by_variant measure_stream_small() {
     const std::size_t n = kStreamTotalBytes / sizeof(float);
     std::vector<std::unique_ptr<float_pipeline>> pipes;
     std::vector<std::string> names;
-    for (unsigned d : kStreamDepths) {
+    std::vector<bool> views; // per pipeline: the producer submits views
+    auto plain_pipe = [&](unsigned d) {
         cudawait::pipeline_options o;
         o.depth = d;
         o.chunk_elements = item;
         o.queue_capacity = 2 * std::size_t{d};
         std::vector<float_pipeline::stage> stages;
         stages.emplace_back(light_stage{});
-        pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
-        names.push_back("depth" + std::to_string(d));
-    }
-    for (const stream_group_case& c : kStreamGroupCases) {
+        return std::make_unique<float_pipeline>(std::move(o), std::move(stages));
+    };
+    auto grouped_pipe = [&](const stream_group_case& c) {
         cudawait::pipeline_options o;
         o.depth = c.depth;
         o.chunk_elements = item;
@@ -810,8 +860,28 @@ runs_by_variant measure_stream_small() {
         } else {
             stages.emplace_back(light_stage{});
         }
-        pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
+        return std::make_unique<float_pipeline>(std::move(o), std::move(stages));
+    };
+    for (unsigned d : kStreamDepths) {
+        pipes.push_back(plain_pipe(d));
+        names.push_back("depth" + std::to_string(d));
+        views.push_back(false);
+    }
+    for (const stream_group_case& c : kStreamGroupCases) {
+        pipes.push_back(grouped_pipe(c));
         names.push_back(stream_group_name(c));
+        views.push_back(false);
+    }
+    // The same pipelines fed with views (their own, so that each variant keeps its slots warm).
+    pipes.push_back(plain_pipe(kStreamViewDepth));
+    names.push_back(kStreamViewPrefix + ("depth" + std::to_string(kStreamViewDepth)));
+    views.push_back(true);
+    for (const stream_group_case& c : kStreamGroupCases) {
+        if (c.depth == kStreamViewGroupDepth) {
+            pipes.push_back(grouped_pipe(c));
+            names.push_back(kStreamViewPrefix + stream_group_name(c));
+            views.push_back(true);
+        }
     }
     // The bound of this producer and consumer: their host copies alone, on one thread, through
     // pinned rings as large as the grouped variants' slots (no GPU work).
@@ -834,8 +904,13 @@ runs_by_variant measure_stream_small() {
         }
         poison(w, work::light, w.out.data(), n, item);
         const double secs = time_host([&] {
-            cudawait::sync_wait(sched,
-                                stream_run(pipes[v].get(), w.in.data(), w.out.data(), n, item));
+            if (views[v]) {
+                cudawait::sync_wait(
+                    sched, stream_run_views(pipes[v].get(), w.in.data(), w.out.data(), n, item));
+            } else {
+                cudawait::sync_wait(sched,
+                                    stream_run(pipes[v].get(), w.in.data(), w.out.data(), n, item));
+            }
         });
         check_output(w, work::light, w.out.data(), n, item, "stream_small/" + names[v]);
         return secs;
@@ -916,6 +991,9 @@ void register_benchmarks() {
     }
     register_manual(std::string("BM_stream_small/") + kStreamFillBound, kRounds, &BM_stream_small,
                     std::string(kStreamFillBound));
+    for (const std::string& v : stream_view_names()) {
+        register_manual("BM_stream_small/" + v, kRounds, &BM_stream_small, v);
+    }
 }
 
 void print_calibration() {
@@ -1241,18 +1319,31 @@ void print_stream_summary() {
     for (const stream_group_case& c : kStreamGroupCases) {
         variants.push_back(stream_group_name(c));
     }
+    const std::vector<std::string> view_variants = stream_view_names();
+    variants.insert(variants.end(), view_variants.begin(), view_variants.end());
+    std::optional<double> best_view;
+    std::string view_name = "views";
     for (const std::string& v : variants) {
         const auto r = find(g_stream_gbps, v);
-        print_row(v, 22, {{r, 8, 2, " GB/s"}});
+        print_row(v, 24, {{r, 8, 2, " GB/s"}});
         if (r && (!best || *r > *best)) {
             best = r;
             name = v;
         }
+        const bool is_view =
+            std::find(view_variants.begin(), view_variants.end(), v) != view_variants.end();
+        if (is_view && r && (!best_view || *r > *best_view)) {
+            best_view = r;
+            view_name = v;
+        }
     }
     const auto bound = find(g_stream_gbps, kStreamFillBound);
-    print_row(kStreamFillBound, 22, {{bound, 8, 2, " GB/s"}});
+    print_row(kStreamFillBound, 24, {{bound, 8, 2, " GB/s"}});
     print_ratio("streaming " + size_name(kStreamItemBytes) + " items (" + name + ") / 64 MiB batch",
                 best, reference_64mib(), kStreamTarget);
+    print_ratio("streaming " + size_name(kStreamItemBytes) + " views (" + view_name +
+                    ") / 64 MiB batch",
+                best_view, reference_64mib(), kStreamTarget);
     print_ratio("streaming (" + name + ") / host_fill_bound (for information)", best, bound,
                 std::nullopt);
     print_ratio("host_fill_bound / 64 MiB batch (for information)", bound, reference_64mib(),

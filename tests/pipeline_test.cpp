@@ -4231,3 +4231,452 @@ TEST_F(pipeline_gpu, streaming_in_groups_defers_what_on_degrade_throws_in_close_
 }
 
 } // namespace
+
+// ---- streaming from and into the caller's own memory (submit with views) ---------------------
+
+namespace {
+
+using cudawait::detail::append_piece;
+using cudawait::detail::copy_batch;
+using cudawait::detail::copy_piece;
+
+// Pieces join only when both are the slot's own and continue each other on both ends; the
+// caller's spans stay apart even when adjacent.
+TEST(pipeline_views, only_adjacent_pieces_of_the_slot_merge) {
+    alignas(16) static char host[1024];
+    alignas(16) static char dev[1024];
+    std::vector<copy_piece> v;
+    append_piece(v, dev, host, 100, true);
+    append_piece(v, dev + 100, host + 100, 50, true); // continues it: merged
+    ASSERT_EQ(v.size(), 1u);
+    EXPECT_EQ(v[0].bytes, 150u);
+    append_piece(v, dev + 150, host + 150, 10, false); // a caller's span: its own piece
+    append_piece(v, dev + 160, host + 160, 10, false); // adjacent, still its own
+    append_piece(v, dev + 170, host + 170, 30, true);  // after a caller's span: its own
+    append_piece(v, dev + 200, host + 300, 8, true);   // not adjacent on the host
+    append_piece(v, dev + 300, host + 308, 8, true);   // not adjacent on the device
+    append_piece(v, dev + 308, host + 316, 4, true);   // continues the last: merged
+    ASSERT_EQ(v.size(), 6u);
+    const std::size_t bytes[] = {150, 10, 10, 30, 8, 12};
+    const std::ptrdiff_t at[] = {0, 150, 160, 170, 300, 308};
+    for (std::size_t i = 0; i < v.size(); ++i) {
+        EXPECT_EQ(v[i].bytes, bytes[i]) << "piece " << i;
+        EXPECT_EQ(static_cast<const char*>(v[i].src) - host, at[i]) << "piece " << i;
+    }
+    EXPECT_EQ(static_cast<char*>(v[5].dst) - dev, 300);
+}
+
+// The batch's arrays: each piece cut at piece_bytes (0: whole), in order, empty ones left out,
+// and the arrays are laid out anew each time.
+TEST(pipeline_views, the_batch_cuts_pieces_at_piece_bytes_in_order) {
+    alignas(16) static char host[4096];
+    alignas(16) static char dev[4096];
+    const std::vector<copy_piece> pieces = {{dev, host, 1000, true},
+                                            {dev + 1000, host + 2000, 0, false},
+                                            {dev + 1000, host + 3000, 300, false},
+                                            {dev + 1300, host + 100, 256, false}};
+    copy_batch b;
+    b.lay_out(pieces, 0);
+    ASSERT_EQ(b.sizes().size(), 3u);
+    EXPECT_EQ(b.sizes()[0], 1000u);
+    EXPECT_EQ(b.srcs()[1], host + 3000);
+    EXPECT_EQ(b.dsts()[2], dev + 1300);
+    b.lay_out(pieces, 256);
+    const std::vector<std::size_t> sizes = {256, 256, 256, 232, 256, 44, 256};
+    const std::vector<std::ptrdiff_t> src = {0, 256, 512, 768, 3000, 3256, 100};
+    const std::vector<std::ptrdiff_t> dst = {0, 256, 512, 768, 1000, 1256, 1300};
+    ASSERT_EQ(b.sizes().size(), sizes.size());
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+        EXPECT_EQ(b.sizes()[i], sizes[i]) << "copy " << i;
+        EXPECT_EQ(static_cast<char*>(b.srcs()[i]) - host, src[i]) << "copy " << i;
+        EXPECT_EQ(static_cast<char*>(b.dsts()[i]) - dev, dst[i]) << "copy " << i;
+    }
+    b.lay_out(std::span<const copy_piece>(pieces).first(1), 4096);
+    ASSERT_EQ(b.sizes().size(), 1u);
+    EXPECT_EQ(b.sizes()[0], 1000u);
+}
+
+enum class host_kind { pinned, registered, pageable };
+constexpr host_kind all_host_kinds[] = {host_kind::pinned, host_kind::registered,
+                                        host_kind::pageable};
+
+std::string kind_name(host_kind k) {
+    switch (k) {
+    case host_kind::pinned:
+        return "pinned";
+    case host_kind::registered:
+        return "registered";
+    case host_kind::pageable:
+        return "pageable";
+    }
+    return "?";
+}
+
+/// `n` words of host memory of one kind: a pinned_buffer, a registered std::vector or a plain
+/// one.
+template <class T = u32>
+struct host_words {
+    host_words(std::size_t n, host_kind k) : vec(k == host_kind::pinned ? 0 : n) {
+        if (k == host_kind::pinned) {
+            pin = pinned_buffer<T>(n);
+        } else if (k == host_kind::registered) {
+            reg = cudawait::host_registration<T>(std::span<T>(vec));
+        }
+    }
+    std::span<T> span() { return vec.empty() ? pin.span() : std::span<T>(vec); }
+    std::vector<T> copy() { return std::vector<T>(span().begin(), span().end()); }
+    std::vector<T> vec;
+    pinned_buffer<T> pin;
+    cudawait::host_registration<T> reg; // goes before the vector
+};
+
+/// Streams `in` as items of `item` elements (the last shorter) into `out` as views (each item's
+/// output at out_item x its index), every item through acquire() and submit(slot, in, out);
+/// then close().
+template <class P, class In, class Out>
+cudawait::task<void> produce_views(P& p, std::span<const In> in, std::span<Out> out,
+                                   std::size_t item, std::size_t out_item) {
+    for (std::size_t off = 0, i = 0; off < in.size(); off += item, ++i) {
+        const std::size_t k = std::min(item, in.size() - off);
+        auto slot = co_await p.acquire();
+        p.submit(std::move(slot), in.subspan(off, k), out.subspan(i * out_item, p.output_size(k)));
+    }
+    p.close();
+}
+
+/// Takes every result: counts those in order, from the GPU, whose data() is their place in
+/// `out` (item index x out_item).
+template <class P, class Out>
+cudawait::task<std::size_t> take_views(P& p, std::span<Out> out, std::size_t out_item) {
+    std::size_t placed = 0;
+    std::size_t expect = 0;
+    while (auto r = co_await p.next(20s)) {
+        if (r->chunk() == expect++ && !r->by_fallback() &&
+            r->data().data() == out.data() + r->chunk() * out_item) {
+            ++placed;
+        }
+    }
+    co_return placed;
+}
+
+// Every kind of host memory on either side, with and without chunk groups: pinned and
+// registered spans are copied directly, pageable ones staged; every element right, a short last
+// item, the result's data() the caller's output, the input untouched, stats per item.
+TEST_F(pipeline_gpu, streamed_views_of_pinned_registered_and_pageable_memory_are_exact) {
+    const std::size_t item = 4096;
+    const std::size_t n = item * 13 + 123; // 14 items
+    const auto words = random_words(n, 1500);
+    const auto want = expected(words, item);
+    cudawait::scheduler sched;
+    for (bool grouped : {false, true}) {
+        for (host_kind ki : all_host_kinds) {
+            for (host_kind ko : all_host_kinds) {
+                SCOPED_TRACE(std::string(grouped ? "grouped, " : "") + kind_name(ki) + " -> " +
+                             kind_name(ko));
+                host_words<> in(n, ki);
+                host_words<> out(n, ko);
+                std::copy(words.begin(), words.end(), in.span().begin());
+                std::fill(out.span().begin(), out.span().end(), 0xdeadbeefu);
+                pipeline_options o;
+                o.chunk_elements = item;
+                o.depth = 3;
+                o.group_bytes = grouped ? 64_KiB : 0; // 4 items per slot group
+                o.chunk_timeout = 20s;
+                pipe_t p(o, {transform_stage()});
+                const auto [produced, placed] = cudawait::sync_wait(
+                    sched, cudawait::when_all(produce_views<pipe_t, u32, u32>(
+                                                  p, in.span(), out.span(), item, item),
+                                              take_views<pipe_t, u32>(p, out.span(), item)));
+                (void)produced;
+                EXPECT_EQ(placed, 14u);
+                EXPECT_EQ(first_mismatch(out.copy(), want), n);
+                EXPECT_EQ(first_mismatch(in.copy(), words), n) << "the input was written";
+                const auto st = p.stats();
+                EXPECT_EQ(st.gpu_chunks, 14u);
+                EXPECT_EQ(st.chunks, 14u);
+                EXPECT_EQ(st.latency.samples, 14u);
+                EXPECT_EQ(st.input_bytes, n * sizeof(u32));
+            }
+        }
+    }
+}
+
+/// How a_grouped_run_mixes_slot_chunks_and_views submits item i: 0 slot chunk, 1 adjacent
+/// views, 2 views of buffers of their own, 3 a pinned input and a pageable output.
+int kind_of_item(std::size_t i) { return i / 4 == 2 ? 0 : static_cast<int>(i % 4); }
+
+// One grouped run may mix slot chunks and views: items alternate between the slot's own input
+// and views (adjacent spans of one pinned buffer, and scattered pinned buffers of their own; a
+// pageable output staged among them), a group stage is told full runs of 4 chunks, and every
+// element of every item is right. One run (items 8-11) is all slot chunks: in graph mode it
+// replays its slot's graph, and the runs with views on that slot before and after it take the
+// plain path (the stage is called for each of them: once per run in both modes).
+TEST_F(pipeline_gpu, a_grouped_run_mixes_slot_chunks_and_views) {
+    const std::size_t item = 4096;
+    const std::size_t items = 24;
+    std::vector<std::vector<u32>> data;
+    for (std::size_t i = 0; i < items; ++i) {
+        data.push_back(random_words(i + 1 == items ? 999 : item, 1600 + i));
+    }
+    for (bool graph : {false, true}) {
+        SCOPED_TRACE(graph ? "graph" : "plain");
+        grouped_stream_setup setup;
+        pipe_t p(setup.options(3, graph), {recording_transform_group_stage{setup.calls}});
+        pinned_buffer<u32> adjacent_in(items * item);  // views of items 4k+1: back to back
+        pinned_buffer<u32> adjacent_out(items * item); // (and of items 4k+2 for the output)
+        std::vector<pinned_buffer<u32>> own_in;        // items 4k+2: each its own buffer
+        std::vector<pinned_buffer<u32>> own_out;
+        std::vector<std::vector<u32>> pageable_out(items); // items 4k+3: pinned in, pageable out
+        std::fill(adjacent_out.begin(), adjacent_out.end(), 0xdeadbeefu);
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+            for (std::size_t i = 0; i < items; ++i) {
+                auto slot = co_await p.acquire();
+                const std::vector<u32>& d = data[i];
+                const std::size_t out_n = p.output_size(d.size());
+                switch (kind_of_item(i)) {
+                case 0: // the slot's own buffers
+                    std::copy(d.begin(), d.end(), slot.data().begin());
+                    p.submit(std::move(slot), d.size());
+                    break;
+                case 1: { // adjacent views of one buffer
+                    std::span<u32> in = adjacent_in.span().subspan(i * item, d.size());
+                    std::copy(d.begin(), d.end(), in.begin());
+                    p.submit(std::move(slot), in, adjacent_out.span().subspan(i * item, out_n));
+                    break;
+                }
+                case 2: { // scattered views: buffers of their own
+                    own_in.emplace_back(d.size());
+                    own_out.emplace_back(out_n);
+                    std::copy(d.begin(), d.end(), own_in.back().begin());
+                    std::fill(own_out.back().begin(), own_out.back().end(), 0xdeadbeefu);
+                    p.submit(std::move(slot), own_in.back().span(), own_out.back().span());
+                    break;
+                }
+                default: { // a pinned input, a pageable output
+                    std::span<u32> in = adjacent_in.span().subspan(i * item, d.size());
+                    std::copy(d.begin(), d.end(), in.begin());
+                    pageable_out[i].assign(out_n, 0xdeadbeefu);
+                    p.submit(std::move(slot), in, std::span<u32>(pageable_out[i]));
+                    break;
+                }
+                }
+                // Results are kept (their slot groups with them) so the producer runs ahead,
+                // up to the three slot groups; then the oldest are taken.
+                if (i % 12 == 11) {
+                    for (std::size_t k = i - 11; k <= i; ++k) {
+                        auto r = co_await p.next(20s);
+                        EXPECT_TRUE(r && r->chunk() == k && !r->by_fallback()) << "item " << k;
+                        if (r) {
+                            EXPECT_TRUE(transformed_right(r->data(), data[k])) << "item " << k;
+                            if (kind_of_item(k) == 3) {
+                                EXPECT_EQ(r->data().data(), pageable_out[k].data());
+                            }
+                        }
+                    }
+                }
+            }
+            p.close();
+            EXPECT_FALSE(co_await p.next(20s));
+        }());
+        for (std::size_t i = 0, own = 0; i < items; ++i) {
+            std::span<const u32> out;
+            if (kind_of_item(i) == 1) {
+                out = adjacent_out.span().subspan(i * item, data[i].size());
+            } else if (kind_of_item(i) == 2) {
+                out = own_out[own++].span();
+            } else if (kind_of_item(i) == 3) {
+                out = pageable_out[i];
+            } else {
+                continue; // checked through its result
+            }
+            EXPECT_TRUE(transformed_right(out, data[i])) << "item " << i << " in its view";
+        }
+        ASSERT_EQ(setup.calls->size(), items / 4) << "one run per full slot group";
+        for (std::size_t g = 0; g < items / 4; ++g) {
+            EXPECT_EQ((*setup.calls)[g].first_chunk, 4 * g);
+            EXPECT_EQ((*setup.calls)[g].chunks, 4u);
+        }
+        EXPECT_EQ(p.stats().gpu_chunks, items);
+    }
+}
+
+/// Out != In: one word per item, the sum of the item (launch_sum), in a wrapper type.
+struct word_sum {
+    u32 value;
+};
+using sum_pipe = pipeline<u32, word_sum>;
+
+// In != Out with output_elements: each item's output is one element in the caller's output
+// (adjacent one-word views), with and without chunk groups, graph mode off and on.
+TEST_F(pipeline_gpu, views_carry_outputs_of_another_type_and_size) {
+    const std::size_t item = 4096;
+    const std::size_t n = item * 10 + 17; // 11 items
+    const auto words = random_words(n, 1700);
+    for (bool grouped : {false, true}) {
+        for (bool graph : {false, true}) {
+            SCOPED_TRACE(std::string(grouped ? "grouped" : "single") + (graph ? ", graph" : ""));
+            pipeline_options o;
+            o.chunk_elements = item;
+            o.output_elements = 1;
+            o.depth = 2;
+            o.graph = graph;
+            o.group_bytes = grouped ? 64_KiB : 0;
+            o.chunk_timeout = 20s;
+            sum_pipe p(o, {[](std::span<u32> in, std::span<word_sum> out, cudawait::stream_ref s) {
+                           cudawait::check(cudawait::testing::launch_sum(
+                                               in.data(), in.size(),
+                                               reinterpret_cast<u32*>(out.data()), s.get()),
+                                           "launch_sum");
+                       }});
+            pinned_buffer<u32> in(n);
+            std::copy(words.begin(), words.end(), in.begin());
+            pinned_buffer<word_sum> out(11);
+            std::fill(out.begin(), out.end(), word_sum{0xdeadbeefu});
+            cudawait::scheduler sched;
+            const auto [produced, placed] = cudawait::sync_wait(
+                sched, cudawait::when_all(produce_views<sum_pipe, u32, word_sum>(
+                                              p, in.span(), out.span(), item, 1),
+                                          take_views<sum_pipe, word_sum>(p, out.span(), 1)));
+            (void)produced;
+            EXPECT_EQ(placed, 11u);
+            for (std::size_t c = 0; c < 11; ++c) {
+                u32 sum = 0;
+                for (std::size_t i = c * item; i < std::min(n, (c + 1) * item); ++i) {
+                    sum += words[i];
+                }
+                EXPECT_EQ(out[c].value, sum) << "item " << c;
+            }
+        }
+    }
+}
+
+// A view chunk that fails goes to the fallback with the caller's spans: its output lands in
+// `out` (pinned or pageable), the result says so and points there; the chunks around it come
+// from the GPU. Without groups (a stage failing on one call) and in a grouped run (the group
+// fails: each of its chunks once).
+TEST_F(pipeline_gpu, the_fallback_takes_a_failed_view_chunk_into_its_output) {
+    const std::size_t item = 4096;
+    const std::size_t n = item * 8;
+    const auto words = random_words(n, 1800);
+    const auto want = expected(words, item);
+    for (bool grouped : {false, true}) {
+        for (host_kind ko : {host_kind::pinned, host_kind::pageable}) {
+            SCOPED_TRACE(std::string(grouped ? "grouped, " : "") + kind_name(ko));
+            std::vector<std::size_t> fallback_calls;
+            std::vector<const u32*> fallback_in;
+            std::vector<u32*> fallback_out;
+            pipeline_options o;
+            o.chunk_elements = item;
+            o.depth = 2;
+            o.max_retries = 0;
+            o.chunk_timeout = 20s;
+            o.on_degrade = [](const cudawait::chunk_failure&) {};
+            o.group_bytes = grouped ? 64_KiB : 0;
+            auto failures = std::make_shared<int>(0);
+            pipe_t::stage stage =
+                grouped ? pipe_t::stage(failing_group_stage{5, failures})
+                        : flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{5}),
+                                      failures);
+            pipe_t p(o, {stage}, [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
+                fallback_calls.push_back(c);
+                fallback_in.push_back(a.data());
+                fallback_out.push_back(b.data());
+                host_fallback(c, a, b);
+            });
+            pinned_buffer<u32> in(n);
+            std::copy(words.begin(), words.end(), in.begin());
+            host_words<> out(n, ko);
+            std::fill(out.span().begin(), out.span().end(), 0xdeadbeefu);
+            cudawait::scheduler sched;
+            std::vector<int> outcome; // 1 GPU, 2 fallback, 0 wrong
+            cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+                for (std::size_t i = 0; i < 8; ++i) {
+                    auto slot = co_await p.acquire();
+                    p.submit(std::move(slot), in.span().subspan(i * item, item),
+                             out.span().subspan(i * item, item));
+                    if (i % 2 == 1) { // two at a time: the slots come back
+                        for (std::size_t k = i - 1; k <= i; ++k) {
+                            auto r = co_await p.next(20s);
+                            const bool right = r && r->chunk() == k &&
+                                               r->data().data() == out.span().data() + k * item;
+                            outcome.push_back(!right ? 0 : r->by_fallback() ? 2 : 1);
+                        }
+                    }
+                }
+                p.close();
+                EXPECT_FALSE(co_await p.next(20s));
+            }());
+            // Items go two at a time, so the runs are {0, 1}, {2, 3}, ...: the group stage fails
+            // the run {4, 5}, the per-chunk stage chunk 5.
+            const std::vector<int> g = {1, 1, 1, 1, 2, 2, 1, 1};
+            const std::vector<int> s = {1, 1, 1, 1, 1, 2, 1, 1};
+            EXPECT_EQ(outcome, grouped ? g : s);
+            const std::vector<std::size_t> calls =
+                grouped ? std::vector<std::size_t>{4, 5} : std::vector<std::size_t>{5};
+            EXPECT_EQ(fallback_calls, calls);
+            for (std::size_t j = 0; j < fallback_calls.size(); ++j) {
+                EXPECT_EQ(fallback_in[j], in.data() + fallback_calls[j] * item);
+                EXPECT_EQ(fallback_out[j], out.span().data() + fallback_calls[j] * item);
+            }
+            EXPECT_EQ(first_mismatch(out.copy(), want), n);
+            EXPECT_EQ(p.stats().fallback_chunks, calls.size());
+            EXPECT_EQ(p.stats().gpu_chunks, 8 - calls.size());
+        }
+    }
+}
+
+// Bad views are usage errors and leave the slot the caller's: a mis-sized, null or device
+// output, an empty, null, too long or device input, an empty slot, and after close(); the slot
+// then still submits a right chunk.
+TEST_F(pipeline_gpu, bad_views_are_usage_errors_and_the_slot_stays_usable) {
+    const std::size_t item = 4096;
+    pipeline_options o;
+    o.chunk_elements = item;
+    o.depth = 2;
+    o.chunk_timeout = 20s;
+    pipe_t p(o, {transform_stage()});
+    const auto words = random_words(item + 1, 1900);
+    pinned_buffer<u32> in(item + 1);
+    std::copy(words.begin(), words.end(), in.begin());
+    pinned_buffer<u32> out(item + 1);
+    std::fill(out.begin(), out.end(), 0xdeadbeefu);
+    cudawait::stream alloc(cudawait::device_ref(0));
+    cudawait::device_buffer<u32> dev(item, alloc);
+    alloc.sync();
+    const std::span<const u32> good_in = in.span().first(item);
+    const std::span<u32> good_out = out.span().first(item);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        auto slot = co_await p.acquire();
+        EXPECT_THROW(p.submit(std::move(slot), good_in, out.span().first(item - 1)), usage_error);
+        EXPECT_THROW(p.submit(std::move(slot), good_in, out.span()), usage_error) << "mis-sized";
+        EXPECT_THROW(p.submit(std::move(slot), good_in, std::span<u32>()), usage_error);
+        EXPECT_THROW(p.submit(std::move(slot), in.span().first(0), out.span().first(0)),
+                     usage_error)
+            << "empty";
+        EXPECT_THROW(p.submit(std::move(slot), std::span<const u32>(), good_out), usage_error);
+        EXPECT_THROW(p.submit(std::move(slot), in.span(), out.span()), usage_error)
+            << "longer than a chunk";
+        EXPECT_THROW(p.submit(std::move(slot), good_in, dev.span()), usage_error) << "device";
+        EXPECT_THROW(p.submit(std::move(slot), std::span<const u32>(dev.span()), good_out),
+                     usage_error);
+        pipe_t::input_slot empty;
+        EXPECT_THROW(p.submit(std::move(empty), good_in, good_out), usage_error);
+        // Still the caller's: a right chunk goes through.
+        p.submit(std::move(slot), good_in, good_out);
+        auto r = co_await p.next(20s);
+        EXPECT_TRUE(r && r->data().data() == out.data() && transformed_right(r->data(), words));
+        auto late = co_await p.acquire();
+        p.close();
+        EXPECT_THROW(p.submit(std::move(late), good_in, good_out), usage_error) << "closed";
+        EXPECT_NO_THROW((void)late.data()) << "the slot is still the caller's after close()";
+        r.reset();
+        late = pipe_t::input_slot();
+        EXPECT_FALSE(co_await p.next(20s));
+    }());
+    EXPECT_EQ(out[item], 0xdeadbeefu) << "nothing written past the view";
+    EXPECT_EQ(p.stats().gpu_chunks, 1u);
+}
+
+} // namespace

@@ -20,6 +20,9 @@
 //               pipe.close();                             // next() drains, then ends
 //               co_await pipe.acquire(50ms); co_await pipe.next(deadline);  // timeout_error
 //                                        // when it passes; nothing is taken or lost then
+//   Views:      pipe.submit(std::move(slot), in, out);   // the chunk from and into your spans
+//               auto r = co_await pipe.next();           // r->data() is `out`, filled
+//               (page-locked spans are copied directly; pageable ones through the slot)
 //   Afterwards: pipe.stats() (latency percentiles among them), pipe.failures() (the run's
 //               degradation records), pipe.write_report(path) (pipeline_report.hpp: all of it,
 //               with the options and the device, as JSON; options.report_path: on failure)
@@ -163,7 +166,20 @@
 //   5. detail/pipeline_monitor.hpp   the chunk's bytes and stage times go into stats() and alerts.
 // Streaming takes the same path through detail/pipeline_stream.hpp (submit() enqueues, or in a
 // grouped pipeline holds the chunk back for its run; next() awaits), with the slot's pinned
-// buffers as the producer's input and the consumer's output.
+// buffers as the producer's input and the consumer's output, or with views the caller's spans.
+//
+// Streaming from the caller's memory: submit(slot, in, out) takes the chunk's input from `in`
+// and delivers its output into `out` (out.size() == output_size(in.size())). Items that live in
+// page-locked memory already (a pinned_buffer, a registered span, a mapped buffer) are then
+// copied by the GPU from and to where they are, with no host copy on the scheduler's thread;
+// a pageable span is staged through the slot's pinned buffer (`in` at submit(), `out` when
+// next() delivers the chunk). The memory is classified (memory_kind.hpp) at each submit. Order,
+// timeouts, degradation (the fallback gets `in` and `out`), stats and records are as for slot
+// chunks. In a grouped pipeline a run may mix slot chunks and views: its device buffers stay
+// contiguous, its host ends are pieces (one per view, the slot's own chunks merged) copied as one
+// cudaMemcpyBatchAsync each way, and such a run does not replay the slot's graph (its stages run
+// plainly, as a short chunk's do). A chunk given up after chunk_timeout may still have its copy
+// land in `out`, as a batch's may.
 // The value types (options, stats, alert, chunk_failure, pipeline_error) are in
 // pipeline_options.hpp; detail/link_peak.hpp measures the link's peak.
 
@@ -285,6 +301,20 @@ public:
     /// @throws usage_error for an empty slot, a bad count, or after close() (the slot is then
     ///         still the caller's); cuda_error
     void submit(input_slot&& s, std::size_t count) { m_stream.submit(std::move(s), count); }
+
+    /// Submits the slot's chunk with its input read from `in` and its output written into `out`
+    /// (out.size() == output_size(in.size()), 1 <= in.size() <= chunk_elements) instead of the
+    /// slot's pinned buffers. Page-locked spans (pinned, registered, mapped) are copied from and
+    /// to directly; a pageable one goes through the slot's pinned buffer (a memcpy on this thread
+    /// now, for `in`; when next() delivers the chunk, for `out`). Both spans must stay valid, and
+    /// `in` unchanged, until next() delivered the chunk; its result's data() is `out`. A failed
+    /// chunk goes to the fallback with `in` and `out`.
+    /// @throws usage_error for an empty slot, empty/null/too long `in`, a mis-sized or null
+    ///         `out`, device memory, or after close() (the slot is then still the caller's);
+    ///         cuda_error
+    void submit(input_slot&& s, std::span<const In> in, std::span<Out> out) {
+        m_stream.submit(std::move(s), in, out);
+    }
 
     /// The next chunk's output, in submission order; std::nullopt once closed and drained,
     /// which ends the streaming session (a later call waits for the next session's chunks).

@@ -38,7 +38,10 @@
 // both sides), the same event waits and records, one completion event; each stage is called
 // once per group (a group stage, one launch) or once per chunk of it in order (a per-chunk
 // stage), on the same stream, so the order rules above hold for the group as a whole, and the
-// chunks of a group share the slot's scratch in turn. Graph mode captures a full group's work
+// chunks of a group share the slot's scratch in turn. A streaming run whose chunks include views
+// of the caller's memory (flight::views) has host ends that are not one range: its H2D and D2H
+// are each one batch of pieces (copy_batch, detail/copy_pieces.hpp) on the same streams, with the
+// same waits and records, and it takes the plain path. Graph mode captures a full group's work
 // (per-chunk launches included) as the slot's graph: one replay per group. Without groups (G =
 // 1) a flight is one chunk and nothing differs from the above. The 256-byte scratch alignment
 // is unchanged; chunk j's device spans are aligned to their element type (and to 256 bytes
@@ -220,7 +223,14 @@ struct pipeline_flight {
     bool timed = false;
     chunk_error error;           // streaming: the enqueue failed (next() reports it in order)
     const In* host_in = nullptr; // the chunk in the caller's range or the streaming slot
-    Out* host_out = nullptr;
+    Out* host_out = nullptr;     // (streaming with views: the run's first chunk's host ends)
+    // Streaming: some chunk of the run is copied from or to the caller's own page-locked span,
+    // so the host ends are these pieces (one per chunk, the slot's own chunks merged), not
+    // host_in / host_out; the device ends stay the slot's, contiguous. Such a run never replays
+    // the slot's graph.
+    bool views = false;
+    std::vector<copy_piece> h2d_pieces;    // views: host -> the slot's dev_in
+    std::vector<copy_piece> d2h_pieces;    // views: the slot's dev_out -> host
     Out* staged_out = nullptr;             // batch with pageable output: copy from the slot here
     cudaStream_t compute_stream = nullptr; // plain path: the compute stream it took
     std::chrono::steady_clock::time_point started{}; // streaming: submitted (for its latency)
@@ -322,8 +332,13 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::h2d_start].record(h2d);
             }
-            enqueue_in_pieces(device_in(f, sl), src, f.count * sizeof(In), options.copy_piece_bytes,
-                              cudaMemcpyHostToDevice, h2d.get());
+            if (f.views) {
+                copies.enqueue(f.h2d_pieces, options.copy_piece_bytes, cudaMemcpyHostToDevice,
+                               options.device, h2d.get());
+            } else {
+                enqueue_in_pieces(device_in(f, sl), src, f.count * sizeof(In),
+                                  options.copy_piece_bytes, cudaMemcpyHostToDevice, h2d.get());
+            }
             if (f.timed) {
                 (*t)[m::h2d_end].record(h2d);
             }
@@ -350,8 +365,13 @@ struct pipeline_core {
             if (f.timed) {
                 (*t)[m::d2h_start].record(d2h);
             }
-            enqueue_in_pieces(dst, device_out(f, sl), f.output_count * sizeof(Out),
-                              options.copy_piece_bytes, cudaMemcpyDeviceToHost, d2h.get());
+            if (f.views) {
+                copies.enqueue(f.d2h_pieces, options.copy_piece_bytes, cudaMemcpyDeviceToHost,
+                               options.device, d2h.get());
+            } else {
+                enqueue_in_pieces(dst, device_out(f, sl), f.output_count * sizeof(Out),
+                                  options.copy_piece_bytes, cudaMemcpyDeviceToHost, d2h.get());
+            }
             if (f.timed) {
                 (*t)[m::d2h_end].record(d2h);
             }
@@ -369,9 +389,10 @@ struct pipeline_core {
     }
 
     /// True when `f` runs as its slot's graph: graph mode and a full group (a full chunk) from
-    /// the slot's first chunk on.
+    /// the slot's first chunk on, all of it in the slot's own pinned buffers (the graph's copies
+    /// have one host range each way).
     [[nodiscard]] bool replays(const flight& f) const noexcept {
-        return options.graph && f.position == 0 && f.chunks == group_chunks &&
+        return options.graph && !f.views && f.position == 0 && f.chunks == group_chunks &&
                f.count == group_chunks * options.chunk_elements;
     }
 
@@ -467,6 +488,8 @@ struct pipeline_core {
     std::vector<stream> compute;
     std::vector<std::unique_ptr<slot>> slots;
     pipeline_monitor monitor;
+    /// The copies of runs with views (flight::views), their arrays kept between runs.
+    copy_batch copies;
     /// Events of chunks given up while their work may still complete: out of the pool until
     /// destruction (a late completion must not signal a reused event).
     std::vector<pooled_event> abandoned_events;

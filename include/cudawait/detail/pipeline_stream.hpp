@@ -39,9 +39,20 @@
 // it until it is used up or close() is called. queue_capacity counts slot groups: the queue
 // holds up to queue_capacity x G chunks. Without groups (G = 1) every chunk is its own run and
 // is enqueued by submit(), as before.
+//
+// Views (submit(slot, in, out)). A chunk may take its input from the caller's span and deliver
+// into the caller's output span instead of the slot's pinned chunk. A page-locked span is the
+// host end of the chunk's copy itself; a pageable one is staged through the slot's pinned chunk
+// (memcpy of `in` at submit(), of `out` when next() delivers the chunk), so that its copy is a
+// slot chunk's. Each run records its copies chunk by chunk as pieces (flight::h2d_pieces,
+// d2h_pieces; the slot's own chunks merged, each view its own piece); a run with any view copies
+// them as one batch each way and never replays the slot's graph. The fallback and the result
+// see the caller's spans. Runs are kept in a pool (m_flights) and reused once nothing refers to
+// them, so that their piece lists keep their capacity and a steady stream allocates no run.
 
 #include <cudawait/error.hpp>
 #include <cudawait/event.hpp>
+#include <cudawait/memory_kind.hpp>
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/pipeline_report.hpp>
 #include <cudawait/scheduler.hpp>
@@ -56,6 +67,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <memory>
@@ -119,14 +131,20 @@ class pipeline_result {
 public:
     pipeline_result(pipeline_result&& o) noexcept
         : m_owner(std::exchange(o.m_owner, nullptr)), m_index(o.m_index), m_position(o.m_position),
-          m_chunk(o.m_chunk), m_count(o.m_count), m_by_fallback(o.m_by_fallback) {}
+          m_chunk(o.m_chunk), m_count(o.m_count), m_view(o.m_view), m_by_fallback(o.m_by_fallback) {
+    }
     pipeline_result& operator=(pipeline_result&&) = delete;
     ~pipeline_result() {
         if (m_owner != nullptr) {
             m_owner->release(m_index);
         }
     }
+    /// The chunk's output: the slot's pinned output, or the caller's `out` of a chunk submitted
+    /// with views.
     [[nodiscard]] std::span<const Out> data() const {
+        if (m_view != nullptr) {
+            return std::span<const Out>(m_view, m_count);
+        }
         return m_owner->output_of(m_index, m_position, m_count);
     }
     /// Submission index.
@@ -137,14 +155,15 @@ public:
 private:
     friend class pipeline_stream<In, Out>;
     pipeline_result(pipeline_stream<In, Out>* p, std::size_t i, std::size_t position,
-                    std::size_t chunk, std::size_t n, bool fb)
-        : m_owner(p), m_index(i), m_position(position), m_chunk(chunk), m_count(n),
+                    std::size_t chunk, std::size_t n, bool fb, const Out* view)
+        : m_owner(p), m_index(i), m_position(position), m_chunk(chunk), m_count(n), m_view(view),
           m_by_fallback(fb) {}
     pipeline_stream<In, Out>* m_owner;
     std::size_t m_index;
     std::size_t m_position;
     std::size_t m_chunk;
     std::size_t m_count;
+    const Out* m_view; // the caller's output (a chunk submitted with views), else null
     bool m_by_fallback;
 };
 
@@ -224,52 +243,38 @@ public:
     /// See pipeline::submit. In a grouped pipeline the chunk is held back to go with the ones
     /// submitted after it (see the top of this file).
     void submit(input_slot&& s, std::size_t count) {
-        core& k = m_core;
-        if (s.m_owner != this) {
-            throw usage_error("pipeline::submit: the slot is empty or from another pipeline");
-        }
-        if (count == 0 || count > k.options.chunk_elements) {
+        check_submit(s);
+        if (count == 0 || count > m_core.options.chunk_elements) {
             throw usage_error("pipeline::submit: count must be in 1..chunk_elements");
         }
-        if (m_closed || !k.session_open) {
-            throw usage_error("pipeline::submit: the slot's streaming session is closed");
+        submit_item(std::move(s), count, nullptr, nullptr, false, false);
+    }
+
+    /// See pipeline::submit with views. A page-locked span is the host end of the chunk's copy
+    /// itself; a pageable (or managed) `in` is copied into the slot's pinned input now, and a
+    /// pageable `out` receives the slot's pinned output when next() delivers the chunk.
+    void submit(input_slot&& s, std::span<const In> in, std::span<Out> out) {
+        core& k = m_core;
+        check_submit(s);
+        if (in.empty() || in.data() == nullptr || in.size() > k.options.chunk_elements) {
+            throw usage_error("pipeline::submit: the input must hold 1..chunk_elements elements");
         }
-        s.m_owner = nullptr;
-        item it;
-        it.seq = m_stream_seq++;
-        it.slot = s.m_index;
-        it.position = s.m_position;
-        it.count = count;
-        it.output_count = k.output_count(count);
-        it.started = clock::now();
-        // The run held back goes first when this chunk cannot join it.
-        std::shared_ptr<stream_flight> before;
-        if (m_pending && !joins(*m_pending, it)) {
-            before = std::exchange(m_pending, nullptr);
+        if (out.data() == nullptr || out.size() != k.output_count(in.size())) {
+            throw usage_error("pipeline::submit: the output has " + std::to_string(out.size()) +
+                              " elements, the input needs " +
+                              std::to_string(k.output_count(in.size())));
         }
-        if (!m_pending) {
-            m_pending = std::make_shared<stream_flight>();
-            flight& f = m_pending->f;
-            f.chunk = it.seq;
-            f.chunks = 0;
-            f.slot = it.slot;
-            f.position = it.position;
+        const memory_kind kin = classify(in.data());
+        const memory_kind kout = classify(out.data());
+        if (kin == memory_kind::device || kout == memory_kind::device) {
+            throw usage_error("pipeline::submit: input and output must be host memory");
         }
-        flight& f = m_pending->f;
-        ++f.chunks;
-        f.count += it.count;
-        f.output_count += it.output_count;
-        m_pending->last_full = count == k.options.chunk_elements;
-        it.flight = m_pending;
-        m_items.push_back(std::move(it));
-        const bool ends_group = f.position + f.chunks == k.group_chunks || !m_pending->last_full;
-        m_result_ready.notify_all();
-        if (before) {
-            send(std::move(before)); // throws only what on_degrade throws, all queued by then
+        const bool direct_in = kin == memory_kind::pinned;
+        if (!direct_in) {
+            std::memcpy(input_of(s.m_index, s.m_position).data(), in.data(), in.size_bytes());
         }
-        if (ends_group) {
-            flush();
-        }
+        submit_item(std::move(s), in.size(), in.data(), out.data(), direct_in,
+                    kout == memory_kind::pinned);
     }
 
     /// See pipeline::next. With a deadline: timeout_error(budget) once it passed (a deadline
@@ -372,8 +377,13 @@ public:
             if (sf.waits == 0) {
                 m_core.note_clean();
             }
+            if (it.copy_out) {
+                std::memcpy(it.out_view, output_at(it.slot, it.position),
+                            it.output_count * sizeof(Out));
+            }
             record_latency(it);
-            co_return result(this, it.slot, it.position, it.seq, it.output_count, false);
+            co_return result(this, it.slot, it.position, it.seq, it.output_count, false,
+                             it.out_view);
         }
         if (error.sticky) {
             k.gpu_abandoned = true;
@@ -393,8 +403,14 @@ public:
             }
             trace_range r("fallback", it.seq);
             timeline_scope span(k.options.timeline, "fallback", "fallback", it.seq);
-            k.on_gpu_failure(it.seq, input_of(it.slot, it.position).first(it.count),
-                             output_of(it.slot, it.position, it.output_count));
+            // A chunk submitted with views: the caller's spans, staged or not.
+            std::span<const In> in = input_of(it.slot, it.position).first(it.count);
+            std::span<Out> out = output_of(it.slot, it.position, it.output_count);
+            if (it.out_view != nullptr) {
+                in = std::span<const In>(it.in_view, it.count);
+                out = std::span<Out>(it.out_view, it.output_count);
+            }
+            k.on_gpu_failure(it.seq, in, out);
         } catch (...) {
             ++stats.failed_chunks;
             write_failure_report(k);
@@ -404,7 +420,7 @@ public:
         ++stats.fallback_chunks;
         record_latency(it);
         write_failure_report(k);
-        co_return result(this, it.slot, it.position, it.seq, it.output_count, true);
+        co_return result(this, it.slot, it.position, it.seq, it.output_count, true, it.out_view);
     }
 
     /// See pipeline::close. The chunks held back go to the GPU; what on_degrade throws meanwhile
@@ -442,6 +458,20 @@ private:
         bool reported = false; ///< its give-up was reported (one record per run)
         bool last_full = true; ///< its last chunk is full, so another may join
         unsigned waits = 0;    ///< chunk_timeout retries of its wait
+
+        /// As new, for another run; the piece lists keep their capacity.
+        void reset() noexcept {
+            std::vector<copy_piece> h2d = std::move(f.h2d_pieces);
+            std::vector<copy_piece> d2h = std::move(f.d2h_pieces);
+            h2d.clear();
+            d2h.clear();
+            f = flight{}; // its completion event goes back to the pool
+            f.h2d_pieces = std::move(h2d);
+            f.d2h_pieces = std::move(d2h);
+            sent = landed = reported = false;
+            last_full = true;
+            waits = 0;
+        }
     };
 
     // A submitted chunk, in submission order.
@@ -453,6 +483,9 @@ private:
         std::size_t output_count = 0;
         clock::time_point started{}; ///< submitted (its latency runs from here)
         std::shared_ptr<stream_flight> flight;
+        const In* in_view = nullptr; ///< submitted with views: the caller's input and output
+        Out* out_view = nullptr;
+        bool copy_out = false; ///< out_view is pageable: next() copies the slot's output there
     };
 
     struct wait_outcome {
@@ -472,6 +505,93 @@ private:
                run.f.position + run.f.chunks == it.position;
     }
 
+    // An input_slot of this pipeline's open session.
+    void check_submit(const input_slot& s) const {
+        if (s.m_owner != this) {
+            throw usage_error("pipeline::submit: the slot is empty or from another pipeline");
+        }
+        if (m_closed || !m_core.session_open) {
+            throw usage_error("pipeline::submit: the slot's streaming session is closed");
+        }
+    }
+
+    // Queues slot `s`'s chunk of `count` elements (arguments checked): into the run held back
+    // when it joins it, else into a new one (the run before it goes to the GPU first). With
+    // views, `in_view` / `out_view` are the caller's spans; `direct_in` / `direct_out`: the copy
+    // uses them itself (page-locked), else the slot's pinned chunk (pageable: staged).
+    void submit_item(input_slot&& s, std::size_t count, const In* in_view, Out* out_view,
+                     bool direct_in, bool direct_out) {
+        core& k = m_core;
+        s.m_owner = nullptr;
+        item it;
+        it.seq = m_stream_seq++;
+        it.slot = s.m_index;
+        it.position = s.m_position;
+        it.count = count;
+        it.output_count = k.output_count(count);
+        it.started = clock::now();
+        it.in_view = in_view;
+        it.out_view = out_view;
+        it.copy_out = out_view != nullptr && !direct_out;
+        // The run held back goes first when this chunk cannot join it.
+        std::shared_ptr<stream_flight> before;
+        if (m_pending && !joins(*m_pending, it)) {
+            before = std::exchange(m_pending, nullptr);
+        }
+        slot& sl = slot_of(it.slot);
+        const In* src = direct_in ? in_view : input_at(it.slot, it.position);
+        Out* dst = direct_out ? out_view : output_at(it.slot, it.position);
+        if (!m_pending) {
+            m_pending = fresh_flight();
+            flight& f = m_pending->f;
+            f.chunk = it.seq;
+            f.chunks = 0;
+            f.slot = it.slot;
+            f.position = it.position;
+            f.host_in = src;
+            f.host_out = dst;
+        }
+        flight& f = m_pending->f;
+        ++f.chunks;
+        f.count += it.count;
+        f.output_count += it.output_count;
+        // The run's copies chunk by chunk, in case one of its chunks is a view: the slot's own
+        // chunks merge into one piece, the caller's spans stay pieces of their own.
+        append_piece(f.h2d_pieces, sl.dev_in.data() + it.position * k.options.chunk_elements, src,
+                     it.count * sizeof(In), !direct_in);
+        append_piece(f.d2h_pieces, dst, sl.dev_out.data() + it.position * k.options.output_elements,
+                     it.output_count * sizeof(Out), !direct_out);
+        f.views = f.views || direct_in || direct_out;
+        m_pending->last_full = count == k.options.chunk_elements;
+        it.flight = m_pending;
+        m_items.push_back(std::move(it));
+        const bool ends_group = f.position + f.chunks == k.group_chunks || !m_pending->last_full;
+        m_result_ready.notify_all();
+        if (before) {
+            send(std::move(before)); // throws only what on_degrade throws, all queued by then
+        }
+        if (ends_group) {
+            flush();
+        }
+    }
+
+    // A run for submit_item: one of the pool's that nothing refers to any more (reset, its
+    // piece lists keeping their capacity), else a new one. The pool grows to the runs alive
+    // at once (queued, held back, in m_recent), so that a steady stream allocates none.
+    std::shared_ptr<stream_flight> fresh_flight() {
+        const std::size_t n = m_flights.size();
+        for (std::size_t j = 0; j < n; ++j) {
+            const std::size_t i = (m_flight_cursor + j) % n; // runs free up in about this order
+            if (m_flights[i].use_count() == 1) {
+                m_flight_cursor = (i + 1) % n;
+                m_flights[i]->reset();
+                return m_flights[i];
+            }
+        }
+        m_flights.push_back(std::make_shared<stream_flight>());
+        return m_flights.back();
+    }
+
     // The run held back goes to the GPU.
     void flush() {
         if (m_pending) {
@@ -489,10 +609,9 @@ private:
         sf.sent = true;
         flight& f = sf.f;
         slot& sl = *k.slots[f.slot];
-        const In* src = sl.host_in.data() + f.position * k.options.chunk_elements;
-        Out* dst = sl.host_out.data() + f.position * k.options.output_elements;
-        f.host_in = src;
-        f.host_out = dst;
+        // Without views the run's host ends are one range each way, from the first chunk on.
+        const In* src = f.host_in;
+        Out* dst = f.host_out;
         // After the GPU was given up nothing is enqueued: next() hands the chunks to the fallback.
         if (k.gpu_abandoned) {
             return;
@@ -628,6 +747,13 @@ private:
                                            std::size_t count) const {
         return slot_of(i).host_out.span().subspan(position * m_core.options.output_elements, count);
     }
+    // Where chunk `position` of slot group i begins in its pinned input and output.
+    [[nodiscard]] In* input_at(std::size_t i, std::size_t position) const {
+        return slot_of(i).host_in.data() + position * m_core.options.chunk_elements;
+    }
+    [[nodiscard]] Out* output_at(std::size_t i, std::size_t position) const {
+        return slot_of(i).host_out.data() + position * m_core.options.output_elements;
+    }
 
     // Chunk `it` is delivered: its latency runs from its submission.
     void record_latency(const item& it) {
@@ -659,15 +785,22 @@ private:
     }
     void end_session() {
         m_recent.clear(); // their events go back to the pool with the session
+        for (const auto& p : m_flights) {
+            if (p.use_count() == 1) {
+                p->f.done = pooled_event(); // and those of the runs kept for reuse
+            }
+        }
         m_core.session_open = false;
         m_closed = false;
         ++m_sessions_ended;
     }
 
     core& m_core;
-    std::deque<item> m_items;                            // submitted, not taken by next()
-    std::shared_ptr<stream_flight> m_pending;            // the run held back (not sent yet)
-    std::deque<std::shared_ptr<stream_flight>> m_recent; // the last `depth` runs sent (throttle)
+    std::deque<item> m_items;                              // submitted, not taken by next()
+    std::shared_ptr<stream_flight> m_pending;              // the run held back (not sent yet)
+    std::deque<std::shared_ptr<stream_flight>> m_recent;   // the last `depth` runs sent (throttle)
+    std::vector<std::shared_ptr<stream_flight>> m_flights; // every run made: reused when free
+    std::size_t m_flight_cursor = 0;                       // where fresh_flight() looks first
     std::vector<std::size_t> m_held; // per slot group: chunks handed out, not back
     std::vector<bool> m_tainted;     // per slot group: pinned buffers to abandon
     std::size_t m_open = npos;       // the slot group acquire() hands out from
