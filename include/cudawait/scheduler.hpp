@@ -24,17 +24,18 @@
 // looks at how long its recent idle periods lasted before GPU work ended them: repeated work
 // (most programs' steady state) is likely to take as long again, so the loop sleeps until shortly
 // before that time and busy-polls around it (detail/wake_history.hpp), skipping the yield phase.
-// When it sleeps, it first arms a sentinel per pending wait (the head of each stream's FIFO and
-// each user event): a private stream that waits for the event and then runs a CUDA host function
-// that wakes the loop, which sleeps on its condition variable until a sentinel, a post, a timer or
-// the predicted end wakes it, polling every `sentinel_poll` (detail/idle_watch.hpp). With
-// poll_policy::sentinels() (`doorbell` on) and no timer pending, a sentinel writes a doorbell word
-// in mapped host memory instead, and the loop thread blocks in cudaEventSynchronize on a
-// blocking-sync event that a waker stream records once the word is rung: the driver wakes the
-// loop as directly as it wakes a blocking sync, but the waker's wait holds a hardware queue while
-// the loop sleeps. Posts, stops and a backstop every `sentinel_poll` ring the word from the host
-// (detail/doorbell.hpp). Either way: few wake-ups, and a resume soon after the GPU finishes,
-// where the sleep back-off alone would take up to `sleep_max`.
+// Once its sleeps have backed off to `sleep_max` (at once, for a predicted end further away), it
+// arms a sentinel per pending wait (the head of each stream's FIFO and each user event): a private
+// stream that waits for the event and then runs a CUDA host function that wakes the loop, which
+// sleeps on its condition variable until a sentinel, a post, a timer or the predicted end wakes it,
+// polling every `sentinel_poll` (detail/idle_watch.hpp). With poll_policy::sentinels() (`doorbell`
+// on) and no timer pending, a sentinel writes a doorbell word in mapped host memory instead, and
+// the loop thread blocks in cudaEventSynchronize on a blocking-sync event that a waker stream
+// records once the word is rung: the driver wakes the loop as directly as it wakes a blocking sync,
+// but the waker's wait holds a hardware queue while the loop sleeps. Posts, stops and a backstop
+// every `sentinel_poll` ring the word from the host (detail/doorbell.hpp). Either way: few
+// wake-ups, and a resume soon after the GPU finishes, where the sleep back-off alone would take up
+// to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
 // resume on it. post, spawn, wake and schedule() are safe from any thread.
@@ -93,7 +94,8 @@ namespace cudawait {
 /// seen complete about as soon as a spinning loop would see it, at the CPU cost of a sleep. A
 /// prediction that misses costs one short polling window; the sleep phase goes on as below.
 ///
-/// With `sentinel` on, the sleep phase starts by arming a sentinel per pending wait: a private
+/// With `sentinel` on, once the back-off has grown to `sleep_max` (or at once, where a predicted
+/// end is at least 4 x `sleep_max` away) the loop arms a sentinel per pending wait: a private
 /// stream that waits for the awaited event and then runs a CUDA host function that wakes the
 /// loop, which sleeps on its condition variable meanwhile. With `doorbell` on too (and no timer
 /// pending, and the driver's stream memory operations at hand) the sentinel writes a doorbell
@@ -910,6 +912,7 @@ private:
                 detail::cpu_relax();
                 return;
             }
+            const bool yield_phase = idle_for - m_policy.spin < m_policy.yield;
             if (m_policy.predict) {
                 if (const auto d = m_wake_history.predict(idle_for)) {
                     const auto lead = detail::wake_history::lead(*d);
@@ -917,14 +920,23 @@ private:
                         detail::cpu_relax(); // within the window around the predicted end
                         return;
                     }
-                    wake_at = last_progress + (*d - lead);
+                    // An end predicted within the yield phase is left to its polling.
+                    if (!yield_phase || *d - lead >= m_policy.spin + m_policy.yield) {
+                        wake_at = last_progress + (*d - lead);
+                    }
                 }
             }
-            if (!wake_at && idle_for - m_policy.spin < m_policy.yield) {
+            if (!wake_at && yield_phase) {
                 std::this_thread::yield();
                 return;
             }
-            if (m_policy.sentinel) {
+            // Sentinels cost driver calls to arm and a host function (or a doorbell round) to
+            // fire: they are armed once the back-off has grown to sleep_max, or at once where the
+            // predicted end is further away than a few of the longest sleeps.
+            const bool long_wait =
+                backoff >= m_policy.sleep_max ||
+                (wake_at && *wake_at - now >= kSentinelLead * m_policy.sleep_max);
+            if (m_policy.sentinel && long_wait) {
                 if (m_policy.doorbell && !timers && doorbell_wait(wake_at)) {
                     return;
                 }
@@ -945,7 +957,7 @@ private:
                 until = std::min(until, m_timers.front()->deadline);
             }
             m_remote_cv.wait_until(lock, until);
-            if (!watched && !wake_at) {
+            if (!watched) {
                 backoff = std::min(backoff * 2, m_policy.sleep_max);
             }
         } else if (timers) {
@@ -1126,6 +1138,9 @@ private:
     void give_event(int dev, cudaEvent_t ev) {
         m_event_cache[static_cast<std::size_t>(dev)].push_back(ev);
     }
+
+    /// A predicted end this many sleep_max away, or more, arms the sentinels at once.
+    static constexpr int kSentinelLead = 4;
 
     poll_policy m_policy;
 
