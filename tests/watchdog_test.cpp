@@ -120,9 +120,10 @@ TEST_F(watchdog_gpu, reports_a_kernel_spinning_on_a_flag_once_within_the_window)
         watchdog wd(s, o);
         clock_type::time_point launched{};
         auto body = [&]() -> task<bool> {
-            launched = clock_type::now();
             check(cudawait::testing::launch_wait_flag(flag.device, kSafetyNs, st.get()),
                   "launch_wait_flag");
+            // After the launch: its first call loads the kernel's module, which is no stall.
+            launched = clock_type::now();
             co_await st;
             co_return true;
         };
@@ -164,9 +165,9 @@ TEST_F(watchdog_gpu, fails_the_await_of_a_stalled_kernel_with_stall_error) {
             int device = -1;
             std::chrono::nanoseconds stalled_for{0};
             auto body = [&]() -> task<bool> {
-                launched = clock_type::now();
                 check(cudawait::testing::launch_wait_flag(flag.device, kSafetyNs, st.get()),
                       "launch_wait_flag");
+                launched = clock_type::now(); // after the module's load, as above
                 try {
                     co_await st;
                 } catch (const stall_error& e) {
