@@ -23,7 +23,8 @@
 // Long waits (poll_policy). Once nothing has been ready for the policy's spin phase, the loop
 // looks at how long its recent idle periods lasted before GPU work ended them: repeated work
 // (most programs' steady state) is likely to take as long again, so the loop sleeps until shortly
-// before that time and busy-polls around it (detail/wake_history.hpp), skipping the yield phase.
+// before that time and busy-polls around it (detail/wake_history.hpp), skipping the yield phase
+// where that time is several sleeps away.
 // Once its sleeps have backed off to `sleep_max` (at once, for a predicted end further away), it
 // arms a sentinel per pending wait (the head of each stream's FIFO and each user event): a private
 // stream that waits for the event and then runs a CUDA host function that wakes the loop, which
@@ -88,11 +89,13 @@ namespace cudawait {
 /// pending the scheduler blocks until a post or its next timer, whatever the policy.
 ///
 /// With `predict` on, the loop remembers how long its last idle periods lasted before GPU work
-/// ended them (detail/wake_history.hpp). While one of them says when the present wait is likely
-/// to end, the loop sleeps from the end of `spin` (no yield phase) until shortly before that
-/// time and busy-polls from there until shortly after it: repeated work (the usual case) is then
-/// seen complete about as soon as a spinning loop would see it, at the CPU cost of a sleep. A
-/// prediction that misses costs one short polling window; the sleep phase goes on as below.
+/// ended them (detail/wake_history.hpp). Where one of them says the present wait is likely to
+/// end, the loop busy-polls from shortly before that time until shortly after it, and sleeps
+/// towards it: with the back-off as usual in the sleep phase, and from the end of `spin` on
+/// (skipping the yield phase, the sentinels armed at once) where that end is at least
+/// 4 x `sleep_max` away. Repeated long work (the usual case) is then seen complete about as soon
+/// as a spinning loop would see it, at the CPU cost of one sleep. A prediction that misses costs
+/// one short polling window; the sleep phase goes on as below.
 ///
 /// With `sentinel` on, once the back-off has grown to `sleep_max` (or at once, where a predicted
 /// end is at least 4 x `sleep_max` away) the loop arms a sentinel per pending wait: a private
@@ -913,6 +916,7 @@ private:
                 return;
             }
             const bool yield_phase = idle_for - m_policy.spin < m_policy.yield;
+            bool far = false; // a predicted end at least kSentinelLead sleeps away
             if (m_policy.predict) {
                 if (const auto d = m_wake_history.predict(idle_for)) {
                     const auto lead = detail::wake_history::lead(*d);
@@ -920,8 +924,10 @@ private:
                         detail::cpu_relax(); // within the window around the predicted end
                         return;
                     }
-                    // An end predicted within the yield phase is left to its polling.
-                    if (!yield_phase || *d - lead >= m_policy.spin + m_policy.yield) {
+                    // In the yield phase only an end far ahead is slept towards: nearer ones,
+                    // and whatever else may complete before them, are left to its polling.
+                    far = *d - lead - idle_for >= kSentinelLead * m_policy.sleep_max;
+                    if (!yield_phase || far) {
                         wake_at = last_progress + (*d - lead);
                     }
                 }
@@ -933,9 +939,7 @@ private:
             // Sentinels cost driver calls to arm and a host function (or a doorbell round) to
             // fire: they are armed once the back-off has grown to sleep_max, or at once where the
             // predicted end is further away than a few of the longest sleeps.
-            const bool long_wait =
-                backoff >= m_policy.sleep_max ||
-                (wake_at && *wake_at - now >= kSentinelLead * m_policy.sleep_max);
+            const bool long_wait = backoff >= m_policy.sleep_max || (wake_at && far);
             if (m_policy.sentinel && long_wait) {
                 if (m_policy.doorbell && !timers && doorbell_wait(wake_at)) {
                     return;
