@@ -128,25 +128,11 @@ struct poll_policy {
 
     /// Lowest latency, one core busy while anything is pending.
     [[nodiscard]] static constexpr poll_policy spinning() noexcept {
-        return {std::chrono::nanoseconds::max() / 4,
-                std::chrono::nanoseconds(0),
-                std::chrono::microseconds(20),
-                std::chrono::microseconds(1000),
-                false,
-                std::chrono::milliseconds(50),
-                false,
-                false};
+        return busy(std::chrono::nanoseconds::max() / 4, std::chrono::nanoseconds(0));
     }
     /// Polls between `std::this_thread::yield()` calls; gives the core away to other threads.
     [[nodiscard]] static constexpr poll_policy yielding() noexcept {
-        return {std::chrono::nanoseconds(0),
-                std::chrono::nanoseconds::max() / 4,
-                std::chrono::microseconds(20),
-                std::chrono::microseconds(1000),
-                false,
-                std::chrono::milliseconds(50),
-                false,
-                false};
+        return busy(std::chrono::nanoseconds(0), std::chrono::nanoseconds::max() / 4);
     }
     /// Sleeps between polls from the start, backing off from `min` to `max`: little CPU, a
     /// resume latency of up to `max` (less for repeated work, with `predict`). No sentinels:
@@ -175,6 +161,18 @@ struct poll_policy {
         poll_policy p;
         p.doorbell = true;
         p.sentinel_poll = std::chrono::milliseconds(10);
+        return p;
+    }
+
+private:
+    // A policy that never sleeps while GPU work is pending: nothing to arm or predict.
+    static constexpr poll_policy busy(std::chrono::nanoseconds spin,
+                                      std::chrono::nanoseconds yield) noexcept {
+        poll_policy p;
+        p.spin = spin;
+        p.yield = yield;
+        p.sentinel = false;
+        p.predict = false;
         return p;
     }
 };
