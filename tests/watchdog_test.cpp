@@ -98,6 +98,11 @@ using watchdog_gpu = cudawait::testing::gpu_test;
 
 constexpr auto kWindow = 200ms;
 constexpr std::uint64_t kSafetyNs = 20'000'000'000ull; // kernels give up after 20 s regardless
+// How late a report may come, measured from the launch. The watchdog counts a stall from the
+// first check that sees the await pending (stalled_for stays within 1.1 windows); that check can
+// come late where the loop's first driver calls of the wait (the sentinel stream it creates)
+// block behind other processes' context creation, as under a parallel ctest: up to 37 ms seen.
+constexpr double kLateReport = 1.25;
 
 double ms(clock_type::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
@@ -132,7 +137,7 @@ TEST_F(watchdog_gpu, reports_a_kernel_spinning_on_a_flag_once_within_the_window)
         EXPECT_EQ(wd.stalls(), 1u);
         const double after = ms(reported_at - launched);
         EXPECT_GE(after, ms(kWindow));
-        EXPECT_LE(after, 1.1 * ms(kWindow));
+        EXPECT_LE(after, kLateReport * ms(kWindow));
         EXPECT_EQ(stalls[0].device, 0);
         EXPECT_EQ(stalls[0].pending_awaits, 1u);
         ASSERT_EQ(stalls[0].streams.size(), 1u);
@@ -183,7 +188,7 @@ TEST_F(watchdog_gpu, fails_the_await_of_a_stalled_kernel_with_stall_error) {
             EXPECT_EQ(device, 0);
             EXPECT_GE(stalled_for, kWindow);
             EXPECT_GE(ms(failed_at - launched), ms(kWindow));
-            EXPECT_LE(ms(failed_at - launched), 1.1 * ms(kWindow));
+            EXPECT_LE(ms(failed_at - launched), kLateReport * ms(kWindow));
             // The failed await's event is still tracked: the kernel has not finished.
             EXPECT_EQ(s.pending().stream_waits, 1u);
             EXPECT_EQ(cudaStreamQuery(st.get()), cudaErrorNotReady);
