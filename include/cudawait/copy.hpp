@@ -162,9 +162,9 @@ template <class = void>
     return a.type == cudaMemoryTypeDevice ? a.device : -1;
 }
 
-template <class = void>
+template <class Unused = void>
 pinned_pool& staging_pool(const copy_options& opt) {
-    return opt.pool != nullptr ? *opt.pool : default_pinned_pool();
+    return opt.pool != nullptr ? *opt.pool : default_pinned_pool<dependent_t<Unused, void>>();
 }
 
 template <class Dst, class Src>

@@ -202,11 +202,14 @@ template <class Unused = void>
                 throw usage_error("numa_pinned_pool: " + std::to_string(node) +
                                   " is no NUMA node of this machine");
             }
+            // Dependent names: only a translation unit that calls this makes a pool.
+            using pool_type = detail::dependent_t<Unused, pinned_pool>;
             pinned_pool_options opt;
-            opt.upstream = std::make_shared<numa_slab_source>(node, numa_policy::preferred);
+            opt.upstream = std::make_shared<detail::dependent_t<Unused, numa_slab_source>>(
+                node, numa_policy::preferred);
             std::size_t nodes = static_cast<std::size_t>(detail::numa_node_count());
             opt.max_pinned_bytes = std::max(detail::usable_memory_bytes() / 4 / nodes, 64_MiB);
-            e = new detail::numa_pool_entry{detail::fork_stamp(), pinned_pool(std::move(opt))};
+            e = new detail::numa_pool_entry{detail::fork_stamp(), pool_type(std::move(opt))};
             slot.store(e, std::memory_order_release);
         }
     }

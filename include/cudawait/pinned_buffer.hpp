@@ -62,7 +62,9 @@ public:
     pinned_buffer() noexcept = default;
 
     /// @throws usage_error for a zero count; pool_exhausted at the pool's cap
-    explicit pinned_buffer(std::size_t count, pinned_pool& pool = default_pinned_pool()) {
+    explicit pinned_buffer(
+        std::size_t count,
+        pinned_pool& pool = default_pinned_pool<detail::dependent_t<T, void>>()) {
         std::size_t bytes = base::checked_bytes(count);
         void* block = pool.allocate(bytes, alignof(T) < 256 ? 256 : alignof(T));
         this->adopt(static_cast<T*>(block), count, detail::pinned_block_release{&pool});

@@ -41,13 +41,17 @@ namespace detail {
 
 /// A handle or pointer as "0x..." (JSON has no pointers; a number would lose bits in readers
 /// that hold numbers as doubles).
-inline std::string hex_pointer(const void* p) {
+/// (The writers here are templates, the JSON writer a deduced parameter: only a translation unit
+/// that writes a report compiles them.)
+template <class Unused = void>
+std::string hex_pointer(const void* p) {
     char buf[2 + 2 * sizeof(std::uintptr_t) + 1];
     std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, reinterpret_cast<std::uintptr_t>(p));
     return buf;
 }
 
-inline void write_options(json_writer& w, const pipeline_options& o) {
+template <class W>
+void write_options(W& w, const pipeline_options& o) {
     w.begin_object()
         .field("depth", o.depth)
         .field("chunk_elements", o.chunk_elements)
@@ -85,7 +89,8 @@ inline void write_options(json_writer& w, const pipeline_options& o) {
     w.field("timeline", o.timeline != nullptr).field("report_path", o.report_path).end_object();
 }
 
-inline void write_stats(json_writer& w, const pipeline_stats& s) {
+template <class W>
+void write_stats(W& w, const pipeline_stats& s) {
     w.begin_object()
         .field("chunks", s.chunks)
         .field("gpu_chunks", s.gpu_chunks)
@@ -120,7 +125,8 @@ inline void write_stats(json_writer& w, const pipeline_stats& s) {
         .end_object();
 }
 
-inline void write_failure(json_writer& w, const chunk_failure& f) {
+template <class W>
+void write_failure(W& w, const chunk_failure& f) {
     w.begin_object()
         .field("chunk", f.chunk)
         .field("offset", f.offset)
@@ -155,7 +161,8 @@ inline void write_failure(json_writer& w, const chunk_failure& f) {
 
 /// The device's id and name; the name is null (and the status is given) when the runtime cannot
 /// tell, e.g. without a device or after the context was lost.
-inline void write_device(json_writer& w, int id) {
+template <class W>
+void write_device(W& w, int id) {
     w.begin_object().field("id", id);
     cudaDeviceProp p{};
     cudaError_t st = cudaGetDeviceProperties(&p, id);
@@ -172,9 +179,12 @@ inline void write_device(json_writer& w, int id) {
 
 /// Writes a pipeline's post-mortem report (the synopsis above) as one JSON object to `out`.
 /// @throws what writing to `out` throws (with exceptions enabled on it)
-inline void write_report(std::ostream& out, const pipeline_options& options,
-                         const pipeline_stats& stats, std::span<const chunk_failure> failures) {
-    detail::json_writer w(out);
+/// (Both write_report overloads are function templates, called as written: only a translation
+/// unit that writes a report compiles them.)
+template <class Unused = void>
+void write_report(std::ostream& out, const pipeline_options& options, const pipeline_stats& stats,
+                  std::span<const chunk_failure> failures) {
+    detail::basic_json_writer<Unused> w(out);
     w.begin_object().key("options");
     detail::write_options(w, options);
     w.key("stats");
@@ -191,13 +201,14 @@ inline void write_report(std::ostream& out, const pipeline_options& options,
 
 /// Writes the report into the file `path` (replacing it).
 /// @throws std::runtime_error when the file cannot be opened or written
-inline void write_report(const std::string& path, const pipeline_options& options,
-                         const pipeline_stats& stats, std::span<const chunk_failure> failures) {
-    std::ofstream file(path, std::ios::out | std::ios::trunc);
+template <class Unused = void>
+void write_report(const std::string& path, const pipeline_options& options,
+                  const pipeline_stats& stats, std::span<const chunk_failure> failures) {
+    detail::dependent_t<Unused, std::ofstream> file(path, std::ios::out | std::ios::trunc);
     if (!file) {
         throw std::runtime_error("write_report: cannot open " + path);
     }
-    write_report(file, options, stats, failures);
+    write_report<Unused>(static_cast<std::ostream&>(file), options, stats, failures);
     file.close();
     if (!file) {
         throw std::runtime_error("write_report: cannot write " + path);

@@ -57,11 +57,6 @@ struct awaiter_ref {
     decltype(auto) await_resume() { return awaiter.await_resume(); }
 };
 
-template <class Dependent, class T>
-struct dependent {
-    using type = T;
-};
-
 /// What every coroutine type of the library shares: the scheduler it runs on, and an
 /// await_transform that binds scheduler-aware awaitables (streams, events, timers) to it.
 ///

@@ -11,3 +11,20 @@
 #error                                                                                             \
     "cudawait needs C++20 (it is built on coroutines): compile with -std=c++20; in CMake set CMAKE_CUDA_STANDARD 20 for .cu files and CMAKE_CXX_STANDARD 20 for .cpp files, or link cudawait::cudawait"
 #endif
+
+namespace cudawait::detail {
+
+/// `T`, named through the template parameter `Dependent` so that the name is dependent. The
+/// library's function templates of an unused parameter (`template <class Unused = void>`) exist
+/// so that only a translation unit that calls them compiles their bodies; but a body's
+/// non-dependent calls and constructions are bound, and what they name instantiated, where the
+/// template is defined, in every translation unit. Naming a type, or a function template's
+/// argument, as `dependent_t<Unused, T>` defers that to the template's own instantiation.
+template <class Dependent, class T>
+struct dependent {
+    using type = T;
+};
+template <class Dependent, class T>
+using dependent_t = typename dependent<Dependent, T>::type;
+
+} // namespace cudawait::detail

@@ -15,7 +15,6 @@
 
 #include <cudawait/error.hpp>
 
-#include <algorithm>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -27,16 +26,19 @@ namespace cudawait::detail {
 /// Enqueues the copy of `bytes` from `src` to `dst` on `s` as pieces of `piece_bytes` (the
 /// last one shorter), or as one copy when piece_bytes is 0 or not below `bytes`.
 /// @throws cuda_error (the pieces enqueued before the failing one stay enqueued)
-inline void enqueue_in_pieces(void* dst, const void* src, std::size_t bytes,
-                              std::size_t piece_bytes, cudaMemcpyKind kind, cudaStream_t s) {
+/// (Templates here, their containers named dependently: only a translation unit that uses them
+/// compiles them; see dependent_t in config.hpp.)
+template <class Unused = void>
+void enqueue_in_pieces(void* dst, const void* src, std::size_t bytes, std::size_t piece_bytes,
+                       cudaMemcpyKind kind, cudaStream_t s) {
     if (piece_bytes == 0 || piece_bytes >= bytes) {
         check(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
         return;
     }
-    auto* d = static_cast<char*>(dst);
+    auto* d = static_cast<dependent_t<Unused, char>*>(dst);
     const auto* p = static_cast<const char*>(src);
     for (std::size_t done = 0; done < bytes; done += piece_bytes) {
-        const std::size_t n = std::min(piece_bytes, bytes - done);
+        const std::size_t n = piece_bytes < bytes - done ? piece_bytes : bytes - done;
         check(cudaMemcpyAsync(d + done, p + done, n, kind, s), "cudaMemcpyAsync");
     }
 }
@@ -52,8 +54,9 @@ struct copy_piece {
 
 /// Appends a piece to `pieces`, or extends the last one when both are mergeable and the new
 /// one continues it on both ends (consecutive chunks of a slot's own buffers: one copy).
-inline void append_piece(std::vector<copy_piece>& pieces, void* dst, const void* src,
-                         std::size_t bytes, bool mergeable) {
+/// (`Pieces`: a std::vector<copy_piece>.)
+template <class Pieces>
+void append_piece(Pieces& pieces, void* dst, const void* src, std::size_t bytes, bool mergeable) {
     if (mergeable && !pieces.empty()) {
         copy_piece& last = pieces.back();
         if (last.mergeable && static_cast<char*>(last.dst) + last.bytes == dst &&
@@ -67,11 +70,15 @@ inline void append_piece(std::vector<copy_piece>& pieces, void* dst, const void*
 
 /// Enqueues lists of copy_piece's as one batched copy. Its arrays are kept between calls, so
 /// that a steady stream of runs allocates nothing. Not thread-safe (one per pipeline).
-class copy_batch {
+template <class Unused = void>
+class basic_copy_batch {
+    template <class T>
+    using list = std::vector<dependent_t<Unused, T>>;
+
 public:
     /// Lays `pieces` out as the batch's arrays, each piece cut into copies of at most
     /// `piece_bytes` (0: uncut); empty pieces are left out.
-    void lay_out(std::span<const copy_piece> pieces, std::size_t piece_bytes) {
+    void lay_out(std::span<const dependent_t<Unused, copy_piece>> pieces, std::size_t piece_bytes) {
         m_dsts.clear();
         m_srcs.clear();
         m_sizes.clear();
@@ -81,7 +88,7 @@ public:
                 m_dsts.push_back(static_cast<char*>(p.dst) + done);
                 // The 12.8 signature takes non-const sources; nothing is written through them.
                 m_srcs.push_back(const_cast<char*>(static_cast<const char*>(p.src)) + done);
-                m_sizes.push_back(std::min(step, p.bytes - done));
+                m_sizes.push_back(step < p.bytes - done ? step : p.bytes - done);
             }
         }
     }
@@ -95,8 +102,8 @@ public:
     /// `device`: one cudaMemcpyAsync when they make one copy, else one cudaMemcpyBatchAsync, in
     /// stream order like any copy (the source is read in stream order).
     /// @throws cuda_error (with per-piece copies, the ones before the failing one stay enqueued)
-    void enqueue(std::span<const copy_piece> pieces, std::size_t piece_bytes, cudaMemcpyKind kind,
-                 int device, cudaStream_t s) {
+    void enqueue(std::span<const dependent_t<Unused, copy_piece>> pieces, std::size_t piece_bytes,
+                 cudaMemcpyKind kind, int device, cudaStream_t s) {
         lay_out(pieces, piece_bytes);
         const std::size_t n = m_sizes.size();
         if (n == 0) {
@@ -148,10 +155,12 @@ private:
 #endif
     }
 
-    std::vector<void*> m_dsts;
-    std::vector<void*> m_srcs;
-    std::vector<std::size_t> m_sizes;
+    list<void*> m_dsts;
+    list<void*> m_srcs;
+    list<std::size_t> m_sizes;
     bool m_batch_refused = false;
 };
+
+using copy_batch = basic_copy_batch<>;
 
 } // namespace cudawait::detail

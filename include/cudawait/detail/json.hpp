@@ -19,17 +19,22 @@
 
 namespace cudawait::detail {
 
-class json_writer {
-public:
-    explicit json_writer(std::ostream& out) : m_out(&out) {}
+/// (A class template, `Unused` always void, its stream named dependently: only a translation
+/// unit that writes JSON compiles its members; use json_writer.)
+template <class Unused = void>
+class basic_json_writer {
+    using ostream = dependent_t<Unused, std::ostream>;
 
-    json_writer& begin_object() { return open('{'); }
-    json_writer& end_object() { return close('}'); }
-    json_writer& begin_array() { return open('['); }
-    json_writer& end_array() { return close(']'); }
+public:
+    explicit basic_json_writer(ostream& out) : m_out(&out) {}
+
+    basic_json_writer& begin_object() { return open('{'); }
+    basic_json_writer& end_object() { return close('}'); }
+    basic_json_writer& begin_array() { return open('['); }
+    basic_json_writer& end_array() { return close(']'); }
 
     /// The key of the next value inside an object.
-    json_writer& key(std::string_view k) {
+    basic_json_writer& key(std::string_view k) {
         separate();
         write_string(k);
         *m_out << ':';
@@ -37,20 +42,22 @@ public:
         return *this;
     }
 
-    json_writer& value(std::string_view s) {
+    basic_json_writer& value(std::string_view s) {
         separate();
         write_string(s);
         return *this;
     }
-    json_writer& value(const char* s) { return s == nullptr ? null() : value(std::string_view(s)); }
-    json_writer& value(const std::string& s) { return value(std::string_view(s)); }
-    json_writer& value(bool b) {
+    basic_json_writer& value(const char* s) {
+        return s == nullptr ? null() : value(std::string_view(s));
+    }
+    basic_json_writer& value(const std::string& s) { return value(std::string_view(s)); }
+    basic_json_writer& value(bool b) {
         separate();
         *m_out << (b ? "true" : "false");
         return *this;
     }
     template <class T>
-    requires(std::is_integral_v<T> && !std::is_same_v<T, bool>) json_writer& value(T v) {
+    requires(std::is_integral_v<T> && !std::is_same_v<T, bool>) basic_json_writer& value(T v) {
         separate();
         if constexpr (std::is_signed_v<T>) {
             *m_out << static_cast<long long>(v);
@@ -59,7 +66,7 @@ public:
         }
         return *this;
     }
-    json_writer& value(double v) {
+    basic_json_writer& value(double v) {
         separate();
         if (!std::isfinite(v)) {
             *m_out << "null";
@@ -70,8 +77,8 @@ public:
         *m_out << buf;
         return *this;
     }
-    json_writer& value(float v) { return value(static_cast<double>(v)); }
-    json_writer& null() {
+    basic_json_writer& value(float v) { return value(static_cast<double>(v)); }
+    basic_json_writer& null() {
         separate();
         *m_out << "null";
         return *this;
@@ -79,7 +86,7 @@ public:
 
     /// key(k).value(v) in one call.
     template <class T>
-    json_writer& field(std::string_view k, const T& v) {
+    basic_json_writer& field(std::string_view k, const T& v) {
         key(k);
         return value(v);
     }
@@ -91,7 +98,7 @@ public:
     static constexpr std::size_t max_depth = 64;
 
 private:
-    json_writer& open(char c) {
+    basic_json_writer& open(char c) {
         if (m_depth == max_depth) {
             throw std::logic_error("json_writer: nested deeper than max_depth");
         }
@@ -100,7 +107,7 @@ private:
         m_stack[m_depth++] = {c, true};
         return *this;
     }
-    json_writer& close(char c) {
+    basic_json_writer& close(char c) {
         char want = c == '}' ? '{' : '[';
         if (m_depth == 0 || m_stack[m_depth - 1].bracket != want || m_after_key) {
             throw std::logic_error("json_writer: unbalanced close");
@@ -162,7 +169,7 @@ private:
         char bracket = 0;
         bool first = true;
     };
-    std::ostream* m_out;
+    ostream* m_out;
     // A fixed stack rather than a std::vector: no allocation, and g++ 13's -Wstringop-overflow
     // misreads std::vector's growth path for this small struct at -O3.
     std::array<level, max_depth> m_stack{};
@@ -170,5 +177,7 @@ private:
     bool m_after_key = false;
     bool m_wrote_root = false;
 };
+
+using json_writer = basic_json_writer<>;
 
 } // namespace cudawait::detail

@@ -21,10 +21,11 @@ namespace cudawait::detail {
 /// 0.29 * 100 would round the wrong way.
 /// @throws std::invalid_argument for an empty `v` or `percent` outside 1..100
 ///
-/// A function template (`Unused` is always void), like basic_latency_window: only a translation
-/// unit that asks for percentiles instantiates std::nth_element.
+/// A function template (`Unused` is always void), like basic_latency_window, whose samples are
+/// named dependently (config.hpp's dependent_t): only a translation unit that asks for
+/// percentiles instantiates std::nth_element.
 template <class Unused = void>
-[[nodiscard]] double nearest_rank(std::span<double> v, unsigned percent) {
+[[nodiscard]] double nearest_rank(std::span<dependent_t<Unused, double>> v, unsigned percent) {
     if (v.empty() || percent == 0 || percent > 100) {
         throw std::invalid_argument("nearest_rank: needs samples and a percent in 1..100");
     }
@@ -72,10 +73,10 @@ public:
         if (m_samples.empty()) {
             return s;
         }
-        std::vector<double> v = m_samples;
-        s.p50_seconds = nearest_rank(v, 50);
-        s.p90_seconds = nearest_rank(v, 90);
-        s.p99_seconds = nearest_rank(v, 99);
+        auto v = m_samples;
+        s.p50_seconds = nearest_rank<Unused>(v, 50);
+        s.p90_seconds = nearest_rank<Unused>(v, 90);
+        s.p99_seconds = nearest_rank<Unused>(v, 99);
         s.max_seconds = m_max;
         s.samples = v.size();
         return s;
@@ -83,7 +84,7 @@ public:
 
 private:
     std::size_t m_capacity;
-    std::vector<double> m_samples;
+    std::vector<dependent_t<Unused, double>> m_samples;
     std::size_t m_next = 0; // the oldest sample once the window is full
     double m_max = 0;
 };

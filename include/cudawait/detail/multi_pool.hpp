@@ -46,12 +46,13 @@ template <class Unused = void>
 /// (A template, as numa_pinned_pool and default_pinned_pool are.)
 template <class Unused = void>
 [[nodiscard]] pinned_pool& staging_pool_for_device(int dev) {
+    using v = dependent_t<Unused, void>;
     static const int node_count = numa_node_count();
     if (node_count <= 1) {
-        return default_pinned_pool();
+        return default_pinned_pool<v>();
     }
-    int node = cached_device_numa_node(dev);
-    return node >= 0 ? numa_pinned_pool(node) : default_pinned_pool();
+    int node = cached_device_numa_node<v>(dev);
+    return node >= 0 ? numa_pinned_pool<v>(node) : default_pinned_pool<v>();
 }
 
 } // namespace cudawait::detail

@@ -261,7 +261,8 @@ struct pipeline_core {
           on_gpu_failure(std::move(f)),
           group_chunks(group_chunks_for(options.group_bytes, options.chunk_elements * sizeof(In),
                                         pipeline_options::max_group_chunks)),
-          pool(options.pool != nullptr ? options.pool : &default_pinned_pool()),
+          pool(options.pool != nullptr ? options.pool
+                                       : &default_pinned_pool<dependent_t<In, void>>()),
           h2d(device_ref(options.device), transfer_priority()),
           d2h(device_ref(options.device), transfer_priority()),
           events(event_pool::for_device(options.device)), compute(make_compute_streams()),
