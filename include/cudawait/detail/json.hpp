@@ -6,6 +6,8 @@
 // written as null). Commas and nesting are tracked, so a caller cannot produce invalid JSON
 // by forgetting a separator; closing more than was opened throws std::logic_error.
 
+#include <cudawait/detail/config.hpp>
+
 #include <array>
 #include <cmath>
 #include <cstddef>
