@@ -15,11 +15,12 @@
 namespace cudawait::detail {
 
 /// `T`, named through the template parameter `Dependent` so that the name is dependent. The
-/// library's function templates of an unused parameter (`template <class Unused = void>`) exist
-/// so that only a translation unit that calls them compiles their bodies; but a body's
-/// non-dependent calls and constructions are bound, and what they name instantiated, where the
-/// template is defined, in every translation unit. Naming a type, or a function template's
-/// argument, as `dependent_t<Unused, T>` defers that to the template's own instantiation.
+/// library's templates of an unused parameter (`template <class Unused = void>`) exist so that
+/// only a translation unit that uses them compiles them; but the classes their declarations name
+/// non-dependently are instantiated where the template is defined, in every translation unit, and
+/// clang instantiates the functions a body calls non-dependently there too. Naming a type, or a
+/// function template's argument, as `dependent_t<Unused, T>` defers that to the template's own
+/// instantiation.
 template <class Dependent, class T>
 struct dependent {
     using type = T;
