@@ -10,11 +10,15 @@
 #include <cudawait/pipeline.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/sync_wait.hpp>
+#include <cudawait/task.hpp>
+#include <cudawait/when_all.hpp>
 
+#include <cudawait/detail/bulk_streams.hpp>
 #include <cudawait/detail/copy_pieces.hpp>
 #include <cudawait/detail/sm_copy.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu_fixture.hpp"
+#include "mapped_words.hpp"
 #include "no_device.hpp"
 #include "random_words.hpp"
 #include "test_kernels.hpp"
@@ -53,6 +58,7 @@ TEST(copy_lane, names_and_the_default_threshold) {
     EXPECT_EQ(cudawait::to_string(copy_direction::h2d), "h2d");
     EXPECT_EQ(cudawait::to_string(copy_direction::d2h), "d2h");
     EXPECT_EQ(cudawait::copy_options{}.small_bytes, 64_KiB);
+    EXPECT_EQ(cudawait::copy_options{}.busy_sm_copy_bytes, 64_KiB);
     EXPECT_EQ(cudawait::pipeline_options{}.copy_piece_bytes, 0u) << "whole chunks by default";
 }
 
@@ -352,6 +358,232 @@ TEST_F(copy_lane_gpu, an_sm_copy_does_not_wait_for_a_bulk_copy_on_the_engine) {
     bulk.sync();
     EXPECT_EQ(bulk_dst[0], 0x5a);
     EXPECT_EQ(bulk_dst[big - 1], 0x5a);
+}
+
+// ---- small device-to-host copies beside the library's bulk ones --------------------------------
+
+using cudawait::detail::bulk_streams;
+
+unsigned long long sm_copies() { return cudawait::detail::sm_copies_enqueued.load(); }
+
+// Holds stream `s` until release() (or the destructor): a kernel on a stream of its own spins on
+// a mapped flag, and `s` waits for the kernel's event.
+class stream_gate {
+public:
+    explicit stream_gate(cudawait::stream_ref s) : m_flag(1) {
+        m_flag.write(0, 0);
+        cudawait::check(
+            cudawait::testing::launch_wait_flag(m_flag.device, 20'000'000'000ull, m_spin.get()),
+            "launch_wait_flag");
+        m_done.record(m_spin);
+        s.wait(m_done.get());
+    }
+    stream_gate(const stream_gate&) = delete;
+    stream_gate& operator=(const stream_gate&) = delete;
+    ~stream_gate() { release(); }
+    void release() {
+        m_flag.write(0, 1);
+        m_spin.sync();
+    }
+
+private:
+    cudawait::testing::mapped_words m_flag;
+    cudawait::stream m_spin;
+    cudawait::event m_done;
+};
+
+TEST_F(copy_lane_gpu, the_bulk_stream_registry_sees_work_pending_and_forgets_a_stream_gone) {
+    bulk_streams& r = bulk_streams::instance();
+    const std::size_t before = r.count(0);
+    cudawait::stream s;
+    {
+        cudawait::detail::bulk_stream_registration reg(0, {s.get()});
+        EXPECT_EQ(r.count(0), before + 1);
+        EXPECT_FALSE(r.pending(0));
+        reg.note_work();
+        stream_gate gate(s);
+        EXPECT_TRUE(r.pending(0));
+        EXPECT_FALSE(r.pending(1)) << "another device's streams are not this one's";
+        gate.release();
+        s.sync();
+        EXPECT_FALSE(r.pending(0));
+        // Found idle, the stream is not asked again until its owner notes work.
+        stream_gate unnoted(s);
+        EXPECT_FALSE(r.pending(0));
+        bulk_streams::instance().note_work(s.get());
+        EXPECT_TRUE(r.pending(0));
+        unnoted.release();
+        s.sync();
+        cudawait::detail::bulk_stream_registration moved(std::move(reg));
+        EXPECT_EQ(r.count(0), before + 1);
+    }
+    EXPECT_EQ(r.count(0), before);
+    // The bulk lane's D2H stream is registered with the lanes, for the process.
+    (void)copy_lanes::for_device(device_ref(0));
+    EXPECT_GE(r.count(0), 1u);
+}
+
+// With the default options a small D2H copy on the lane goes by the SMs while a bulk D2H copy of
+// the device runs (here 1 GiB on the bulk lane, about 20 ms at the link's rate, awaited beside
+// it) and completes before it; with the bulk lane idle, or busy_sm_copy_bytes 0, or for a copy
+// to the device, a copy engine makes it. Every copy's words are checked. It is the process's
+// first SM copy: the lanes loaded the kernel when they were made, so the copy does not wait for
+// a loading that waits for the bulk copy.
+TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_runs) {
+    cudawait::stream s;
+    const std::size_t big = std::size_t{1} << 30;
+    cudawait::device_buffer<std::uint8_t> bulk_src(big, s);
+    cudawait::pinned_buffer<std::uint8_t> bulk_dst(big);
+    const std::size_t n = 1024;
+    cudawait::device_buffer<u32> dev(n, s);
+    const auto want = random_words(n, 74);
+    ASSERT_EQ(
+        cudaMemcpyAsync(dev.data(), want.data(), n * sizeof(u32), cudaMemcpyHostToDevice, s.get()),
+        cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(bulk_src.data(), 0x3c, big, s.get()), cudaSuccess);
+    s.sync();
+    cudawait::scheduler sched;
+    cudawait::pinned_buffer<u32> back(n);
+    const cudawait::stream_ref bulk =
+        copy_lanes::for_device(device_ref(0)).get(lane::bulk, copy_direction::d2h);
+    auto check_back = [&] {
+        for (std::size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(back[i], want[i]) << "word " << i;
+        }
+    };
+    auto small_copy_back = [&](const cudawait::copy_options& o) {
+        std::fill(back.data(), back.data() + n, 0xdeadbeef);
+        cudawait::sync_wait(sched, cudawait::copy(back, dev, o));
+        check_back();
+    };
+    // Idle: a copy engine.
+    unsigned long long made = sm_copies();
+    small_copy_back({});
+    EXPECT_EQ(sm_copies(), made) << "the bulk lane was idle";
+
+    // Beside the bulk copy: the SMs, done while it still runs.
+    std::fill(back.data(), back.data() + n, 0xdeadbeef);
+    bool bulk_ran_on = false;
+    made = sm_copies();
+    auto small = [&]() -> cudawait::task<void> {
+        co_await cudawait::copy(back, dev);
+        bulk_ran_on = !bulk.is_done();
+    };
+    cudawait::sync_wait(
+        sched, cudawait::when_all(cudawait::copy(bulk_dst, bulk_src, lane::bulk), small()));
+    check_back();
+    EXPECT_EQ(sm_copies(), made + 1) << "the copy was not made by the SMs";
+    EXPECT_TRUE(bulk_ran_on) << "the small copy waited for the bulk copy";
+    for (std::size_t i : {std::size_t{0}, big / 3, big / 2, big - 1}) {
+        ASSERT_EQ(bulk_dst[i], 0x3c) << "bulk byte " << i;
+    }
+
+    // Not with busy_sm_copy_bytes 0, nor over it, nor to the device.
+    ASSERT_EQ(
+        cudaMemcpyAsync(bulk_dst.data(), bulk_src.data(), big, cudaMemcpyDeviceToHost, bulk.get()),
+        cudaSuccess);
+    bulk_streams::instance().note_work(bulk.get());
+    cudawait::copy_options off;
+    off.busy_sm_copy_bytes = 0;
+    small_copy_back(off);
+    cudawait::copy_options under;
+    under.busy_sm_copy_bytes = n * sizeof(u32) - 1;
+    small_copy_back(under);
+    const auto up = random_words(n, 75);
+    cudawait::pinned_buffer<u32> src(n);
+    std::copy(up.begin(), up.end(), src.data());
+    cudawait::sync_wait(sched, cudawait::copy(dev, src));
+    EXPECT_EQ(sm_copies(), made + 1) << "only the copy beside the bulk one goes by the SMs";
+    bulk.sync();
+    std::vector<u32> seen(n, 0);
+    ASSERT_EQ(cudaMemcpy(seen.data(), dev.data(), n * sizeof(u32), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(seen, up);
+}
+
+// A pipeline notes its work: while a chunk's D2H waits for its stage (then a kernel held on a
+// flag), a small D2H copy of its device goes by the SMs; with the pipeline idle, and once it is
+// gone, by a copy engine. The chunk's output is checked too.
+TEST_F(copy_lane_gpu, a_pipeline_s_pending_chunk_sends_small_d2h_copies_to_the_sms) {
+    cudawait::stream s;
+    const std::size_t n = 4096 / sizeof(u32);
+    cudawait::device_buffer<u32> dev(n, s);
+    const auto want = random_words(n, 76);
+    ASSERT_EQ(
+        cudaMemcpyAsync(dev.data(), want.data(), n * sizeof(u32), cudaMemcpyHostToDevice, s.get()),
+        cudaSuccess);
+    s.sync();
+    cudawait::scheduler sched;
+    cudawait::pinned_buffer<u32> back(n);
+    (void)copy_lanes::for_device(device_ref(0)); // their bulk D2H stream is registered for good
+    const std::size_t before = bulk_streams::instance().count(0);
+    auto check_back = [&] {
+        for (std::size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(back[i], want[i]) << "word " << i;
+        }
+    };
+    auto copy_back = [&] {
+        std::fill(back.data(), back.data() + n, 0xdeadbeef);
+        cudawait::sync_wait(sched, cudawait::copy(back, dev));
+        check_back();
+    };
+    {
+        cudawait::testing::mapped_words flag(1);
+        flag.write(0, 0);
+        const std::size_t chunk = 1 << 16;
+        cudawait::pipeline_options o;
+        o.depth = 2;
+        o.chunk_elements = chunk;
+        constexpr u32 salt = 0x77e1;
+        cudawait::pipeline<u32> pipe(
+            o, {[&](std::span<u32> in, std::span<u32> out, cudawait::stream_ref st) {
+                // The transform first: a kernel's first launch loads it, and loading waits for
+                // the kernels running on the device, the spinning one among them.
+                cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(),
+                                                                    in.size(), salt, 0, st.get()),
+                                "launch_transform");
+                cudawait::check(
+                    cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st.get()),
+                    "launch_wait_flag");
+            }});
+        EXPECT_GT(bulk_streams::instance().count(0), before) << "the pipeline's streams";
+        unsigned long long made = sm_copies();
+        copy_back();
+        EXPECT_EQ(sm_copies(), made) << "the pipeline was idle";
+
+        const auto in = random_words(chunk, 77);
+        std::vector<u32> expect(chunk);
+        cudawait::testing::transform_on_host(in.data(), expect.data(), chunk, salt);
+        cudawait::pinned_buffer<u32> pin_in(chunk);
+        cudawait::pinned_buffer<u32> pin_out(chunk);
+        std::copy(in.begin(), in.end(), pin_in.data());
+        std::fill(pin_out.data(), pin_out.data() + chunk, 0xdeadbeef);
+        made = sm_copies();
+        std::fill(back.data(), back.data() + n, 0xdeadbeef);
+        auto small = [&]() -> cudawait::task<void> {
+            // Until the chunk is on the GPU, held in its stage.
+            const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            while (pipe.d2h_stream().is_done() && std::chrono::steady_clock::now() < limit) {
+                co_await sched.schedule();
+            }
+            co_await cudawait::copy(back, dev);
+            flag.write(0, 1);
+        };
+        cudawait::sync_wait(sched,
+                            cudawait::when_all(pipe.run(std::span<const u32>(pin_in.data(), chunk),
+                                                        std::span<u32>(pin_out.data(), chunk)),
+                                               small()));
+        check_back();
+        EXPECT_EQ(sm_copies(), made + 1) << "the pipeline's chunk was pending";
+        EXPECT_EQ(std::memcmp(pin_out.data(), expect.data(), chunk * sizeof(u32)), 0);
+        made = sm_copies();
+        copy_back();
+        EXPECT_EQ(sm_copies(), made) << "the pipeline's run is over";
+    }
+    EXPECT_EQ(bulk_streams::instance().count(0), before);
+    const unsigned long long made = sm_copies();
+    copy_back();
+    EXPECT_EQ(sm_copies(), made);
 }
 
 } // namespace

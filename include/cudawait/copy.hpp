@@ -9,6 +9,8 @@
 //   co_await copy(dst, src, lane::small);  on the named lane, whatever the size
 //   copy_options o; o.sm_copy_bytes = 64 << 10;   small-lane copies between device and pinned
 //   co_await copy(dst, src, o);                   memory made by the SMs, not a copy engine
+//   o.busy_sm_copy_bytes = 0;                     small-lane D2H copies by a copy engine even
+//                                                 beside bulk D2H work (default 64 KiB: the SMs)
 //   (memory_kind and classify live in memory_kind.hpp)
 //
 // `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
@@ -48,12 +50,18 @@
 // asks of the caller). A small pageable copy goes through one pinned block of its own size from
 // the pool, so the scheduler's thread never waits for the DMA.
 //
-// With options.sm_copy_bytes set, a small-lane copy of at most that many bytes between device
-// memory and page-locked host memory (the pool, cudaHostAlloc, a host_registration) is made by
-// a small kernel on the lane's stream instead of a copy engine (detail/sm_copy.hpp): a copy
-// engine takes its queue in order, so a small device-to-host copy otherwise waits for a bulk
-// chunk already queued there. The kernel is loaded once per process from PTX text (no nvcc
-// needed in the user's build); other copies are unaffected.
+// A copy engine takes its queue in order, so a small device-to-host copy can wait for a bulk
+// chunk already queued there (1.2 ms beside a pipeline's 64 MiB chunks on an H200). So by
+// default a small-lane copy from device memory into page-locked host memory (the pool,
+// cudaHostAlloc, a host_registration) of at most options.busy_sm_copy_bytes (64 KiB) is made by
+// a small kernel on the lane's stream (detail/sm_copy.hpp: the SMs load and store the bytes over
+// the link) while one of the library's bulk D2H streams of the device has work pending (a
+// pipeline's, the bulk lane's: detail/bulk_streams.hpp), and by a copy engine, a few
+// microseconds faster, when they are idle. The choice is made when the copy is awaited. With
+// options.sm_copy_bytes set, every small-lane copy of at most that many bytes between device
+// memory and page-locked host memory, either way, is made by the kernel. It is loaded once per
+// process and device from PTX text (no nvcc needed in the user's build) when the lanes or a
+// pipeline are made; other copies are unaffected.
 
 #include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
@@ -66,6 +74,7 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
 
+#include <cudawait/detail/bulk_streams.hpp>
 #include <cudawait/detail/sm_copy.hpp>
 #include <cudawait/detail/staging.hpp>
 
@@ -103,6 +112,13 @@ struct copy_options {
     /// a copy engine. Other copies (pageable or managed memory, two devices, another lane) are
     /// not affected.
     std::size_t sm_copy_bytes = 0;
+    /// Copies on the small lane from device memory to page-locked host memory the device can
+    /// address, of at most this many bytes, are made by the SMs (as with sm_copy_bytes) while
+    /// one of the library's bulk device-to-host streams of the device has work pending (a
+    /// pipeline's, the bulk lane's): a copy engine could hold them behind its chunk (1.2 ms
+    /// beside a pipeline's 64 MiB chunks on an H200, against about 20 us by the SMs). With
+    /// those streams idle they take a copy engine, a few microseconds faster. 0: never.
+    std::size_t busy_sm_copy_bytes = std::size_t{64} << 10;
 };
 
 namespace detail {
@@ -240,18 +256,25 @@ void enqueue_direct(const copy_plan& plan, stream_ref s) {
 
 /// The stream of lane `l` that `plan` goes on: the lanes of the device whose memory it touches
 /// (the destination's first; else the current device), the h2d stream where the destination
-/// is device or managed memory, else the d2h stream.
+/// is device or managed memory, else the d2h stream. The device it looked up is kept in `plan`
+/// (dst_device or src_device).
 /// @throws cuda_error; usage_error (copy_lanes::for_device after fork)
 template <class = void>
-stream_ref lane_stream(const copy_plan& plan, lane l) {
+stream_ref lane_stream(copy_plan& plan, lane l) {
     const bool to_device =
         plan.dst_kind == memory_kind::device || plan.dst_kind == memory_kind::managed;
     int dev = -1;
     if (plan.dst_kind == memory_kind::device) {
-        dev = plan.dst_device >= 0 ? plan.dst_device : pointer_device(plan.dst);
+        if (plan.dst_device < 0) {
+            plan.dst_device = pointer_device(plan.dst);
+        }
+        dev = plan.dst_device;
     }
     if (dev < 0 && plan.src_kind == memory_kind::device) {
-        dev = plan.src_device >= 0 ? plan.src_device : pointer_device(plan.src);
+        if (plan.src_device < 0) {
+            plan.src_device = pointer_device(plan.src);
+        }
+        dev = plan.src_device;
     }
     // Memory a range only states to be device memory, and managed or host memory on both
     // sides, has no device of its own: the current one serves it.
@@ -291,8 +314,10 @@ std::optional<sm_copy_route> sm_route(const copy_plan& plan) {
     return to_device ? sm_copy_route{plan.dst, host, dev} : sm_copy_route{host, plan.src, dev};
 }
 
+/// Enqueues `plan` on `s` as an SM copy by route `r`, and marks pool memory used there.
+/// @throws cuda_error
 template <class = void>
-task<void> sm_copy_task(copy_plan plan, sm_copy_route r, stream_ref s) {
+void enqueue_by_the_sms(const copy_plan& plan, const sm_copy_route& r, stream_ref s) {
     enqueue_sm_copy(r.dst, r.src, plan.bytes, device_ref(r.device), s);
     if (plan.dst_pool != nullptr) {
         plan.dst_pool->record_use(plan.dst, s);
@@ -300,7 +325,6 @@ task<void> sm_copy_task(copy_plan plan, sm_copy_route r, stream_ref s) {
     if (plan.src_pool != nullptr) {
         plan.src_pool->record_use(plan.src, s);
     }
-    co_await s;
 }
 
 template <class = void>
@@ -320,17 +344,52 @@ task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
     }
 }
 
-/// A copy on lane `l` (its stream `s`): through the SMs where sm_copy_bytes asks for it and
-/// the memory allows it, else as copy_task.
-/// @throws cuda_error (asking the driver where the memory lives)
+/// Whether a small-lane copy should go by the SMs: sm_copy_bytes asks for it, or
+/// busy_sm_copy_bytes does for a device-to-host copy while a bulk D2H stream of the source's
+/// device is busy (detail/bulk_streams.hpp). Whether the memory allows it is sm_route's.
+/// @throws cuda_error (an error a bulk stream reports)
 template <class = void>
-task<void> lane_copy(const copy_plan& plan, stream_ref s, lane l, const copy_options& opt) {
-    if (l == lane::small && plan.bytes <= opt.sm_copy_bytes) {
+bool by_the_sms(const copy_plan& plan, const copy_options& opt) {
+    if (plan.bytes <= opt.sm_copy_bytes) {
+        return true;
+    }
+    return plan.bytes <= opt.busy_sm_copy_bytes && plan.src_kind == memory_kind::device &&
+           plan.dst_kind == memory_kind::pinned && plan.src_device >= 0 &&
+           bulk_streams::instance().pending(plan.src_device);
+}
+
+/// A copy on the small lane (its stream `s`): through the SMs where by_the_sms says so and the
+/// memory allows it, else as copy_task. Decided when awaited, so that it sees the bulk work
+/// enqueued by then.
+template <class = void>
+task<void> small_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
+    if (by_the_sms(plan, opt)) {
         if (const std::optional<sm_copy_route> r = sm_route(plan)) {
-            return sm_copy_task(plan, *r, s);
+            enqueue_by_the_sms(plan, *r, s);
+            co_await s;
+            co_return;
         }
     }
-    return copy_task(plan, s, opt);
+    if (!plan.staged()) {
+        enqueue_direct(plan, s);
+        co_await s;
+        co_return;
+    }
+    co_await copy_task(plan, s, opt);
+}
+
+/// A copy on the bulk lane (its stream `s`), as copy_task; the D2H stream's work is noted first
+/// (detail/bulk_streams.hpp: the other lane streams are not registered, and nothing happens).
+template <class = void>
+task<void> bulk_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
+    bulk_streams::instance().note_work(s.get());
+    co_await copy_task(plan, s, opt);
+}
+
+/// A copy on lane `l`, its stream `s`.
+template <class = void>
+task<void> lane_copy(const copy_plan& plan, stream_ref s, lane l, const copy_options& opt) {
+    return l == lane::small ? small_lane_copy(plan, s, opt) : bulk_lane_copy(plan, s, opt);
 }
 
 } // namespace detail

@@ -23,11 +23,15 @@
 // copies. benchmarks/lane_bench.cu measures how long it takes while a pipeline keeps both
 // directions busy, side by side with the alternatives (a plain stream, a high-priority one, the
 // pipeline's copies split into pieces: pipeline_options::copy_piece_bytes). On an H200 a small
-// H2D copy on the lane took 2.2x its idle latency under 64 MiB chunks; a small D2H copy, on any
-// stream or priority, waited for the bulk D2H chunk already queued on the copy engine (1.2 ms),
-// with the chunks in pieces or not. Made by the SMs (copy_options::sm_copy_bytes) it does not
-// wait for the chunk, but every small copy beside a saturated link still takes 1.4-2.2x its idle
-// time, its bytes queued behind the bulk's (an awaited event with no copy: 1.3-1.7x).
+// H2D copy on the lane took 1.6-2.2x its idle latency under 64 MiB chunks; a small D2H copy made
+// by a copy engine, on any stream or priority, could wait for the bulk D2H chunk already queued
+// on the same engine (1.2 ms), with the chunks in pieces or not. So while one of the library's
+// bulk D2H streams is busy, the lane's small D2H copies are made by the SMs (copy.hpp:
+// copy_options::busy_sm_copy_bytes): 18-21 us beside the chunks. Every small copy beside a
+// saturated link still takes 1.4-2.4x its idle time, its bytes queued behind the bulk's (an
+// awaited event with no copy: 1.2-1.7x). The lanes load the SM copy kernel on their device when
+// they are made (detail/sm_copy.hpp says why), and register their bulk D2H stream
+// (detail/bulk_streams.hpp).
 //
 // Ordering. A copy on a lane is ordered with the lane's earlier copies only, not with the
 // caller's streams: the data must be ready when the copy is made (await the stream of the
@@ -44,7 +48,9 @@
 #include <cudawait/error.hpp>
 #include <cudawait/stream.hpp>
 
+#include <cudawait/detail/bulk_streams.hpp>
 #include <cudawait/detail/fork_guard.hpp>
+#include <cudawait/detail/sm_copy.hpp>
 
 #include <cstddef>
 #include <memory>
@@ -158,6 +164,10 @@ private:
         stream small_d2h(dev, high);
         stream bulk_h2d(dev, low);
         stream bulk_d2h(dev, low);
+        // The bulk D2H stream is one that makes small D2H copies go by the SMs while busy.
+        (void)detail::bulk_streams::instance().add(m_device, {bulk_d2h.get()});
+        // Loaded now, so that a small copy the SMs make beside bulk work does not wait for it.
+        detail::preload_sm_copy(dev, small_d2h);
         m_small_h2d = small_h2d.release();
         m_small_d2h = small_d2h.release();
         m_bulk_h2d = bulk_h2d.release();

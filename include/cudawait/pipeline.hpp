@@ -66,6 +66,12 @@
 // slot is reused only after its previous chunk's last use of each buffer, which the GPU itself
 // waits for (cudaStreamWaitEvent). The host waits only by co_await.
 //
+// Beside other copies. While a pipeline has chunks in flight, the device's small copy lane makes
+// its small device-to-host copies by the SMs, not behind the pipeline's chunks on a copy engine
+// (copy.hpp: copy_options::busy_sm_copy_bytes): the pipeline registers its D2H stream(s) for
+// that, and on the process's first construction on a device it loads the SM copy kernel there
+// (one launch over zero bytes on its D2H stream, synchronised: detail/sm_copy.hpp).
+//
 // One mode at a time. A streaming session begins with the first acquire() and stays open while
 // slots are acquired or results held, while chunks are submitted and not yet taken, and after
 // close() until next() has returned the end; meanwhile run() throws usage_error. Once next() has

@@ -59,9 +59,11 @@
 #include <cudawait/stream.hpp>
 #include <cudawait/trace.hpp>
 
+#include <cudawait/detail/bulk_streams.hpp>
 #include <cudawait/detail/copy_pieces.hpp>
 #include <cudawait/detail/pipeline_group.hpp>
 #include <cudawait/detail/pipeline_monitor.hpp>
+#include <cudawait/detail/sm_copy.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -266,7 +268,8 @@ struct pipeline_core {
           h2d(device_ref(options.device), transfer_priority()),
           d2h(device_ref(options.device), transfer_priority()),
           events(event_pool::for_device(options.device)), compute(make_compute_streams()),
-          slots(make_slots()), monitor(options, runahead_factor * options.depth) {
+          slots(make_slots()), bulk_registration(options.device, d2h_streams()),
+          monitor(options, runahead_factor * options.depth) {
         for (std::size_t i = 0; i < slots.size(); ++i) {
             free_slots.push_back(i);
         }
@@ -274,11 +277,26 @@ struct pipeline_core {
         // The slots' device buffers were allocated in the H2D stream's order; every other stream
         // (the graph streams among them) may use them from now on.
         h2d.sync();
+        // The small copies the lane makes by the SMs beside this pipeline's chunks must not
+        // wait for the kernel's loading (detail/sm_copy.hpp).
+        preload_sm_copy(device_ref(options.device), d2h);
     }
     pipeline_core(const pipeline_core&) = delete;
     pipeline_core& operator=(const pipeline_core&) = delete;
     /// The streams are synchronised before the slots, and the abandoned events, go.
     ~pipeline_core() { synchronize(); }
+
+    /// The streams whose copies write the host: d2h, and in graph mode every slot's graph
+    /// stream.
+    std::vector<cudaStream_t> d2h_streams() const {
+        std::vector<cudaStream_t> v{d2h.get()};
+        if (options.graph) {
+            for (const auto& sl : slots) {
+                v.push_back(sl->graph_stream.get());
+            }
+        }
+        return v;
+    }
 
     /// Waits for every stream the slots' work ran on (before buffers and events go).
     void synchronize() noexcept {
@@ -315,6 +333,7 @@ struct pipeline_core {
     /// Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
     /// @throws cuda_error; what a stage throws
     void enqueue(flight& f, const In* src, Out* dst) {
+        bulk_registration.note_work();
         slot& sl = *slots[f.slot];
         f.timed = monitor.timing();
         std::vector<event>* t = f.timed ? &monitor.set(f.timing_set) : nullptr;
@@ -488,6 +507,10 @@ struct pipeline_core {
     event_pool& events; ///< the device's pool, for the flights' completion events
     std::vector<stream> compute;
     std::vector<std::unique_ptr<slot>> slots;
+    /// The streams that copy chunks to the host (d2h_streams()), registered so that a
+    /// small copy of the device's lane goes by the SMs while they are busy (copy.hpp). Declared
+    /// after them: it goes first.
+    bulk_stream_registration bulk_registration;
     pipeline_monitor monitor;
     /// The copies of runs with views (flight::views), their arrays kept between runs.
     copy_batch copies;

@@ -28,8 +28,10 @@
 #include <cudawait/detail/fork_guard.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <mutex>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -127,6 +129,9 @@ $L__BB0_8:
 
 /// The kernel's name in sm_copy_ptx.
 inline constexpr char sm_copy_kernel_name[] = "cudawait_sm_copy";
+/// SM copies enqueued by the process so far (for the tests: which way a copy went).
+inline std::atomic<unsigned long long> sm_copies_enqueued{0};
+
 /// Threads per block, and the most blocks: 16 x 256 threads move 64 KiB in one pass of 16-byte
 /// words.
 inline constexpr unsigned sm_copy_threads = 256;
@@ -174,11 +179,10 @@ template <class = void>
     return a.type == cudaMemoryTypeHost ? a.devicePointer : nullptr;
 }
 
-/// Enqueues the SM copy of `bytes` from `src` to `dst` (both addresses the device `dev` can
-/// use) on `s`, a stream of `dev`.
+/// Launches the kernel over `bytes` (0: it touches nothing) on `s`, a stream of `dev`.
 /// @throws cuda_error
 template <class = void>
-void enqueue_sm_copy(void* dst, const void* src, std::size_t bytes, device_ref dev, stream_ref s) {
+void launch_sm_copy(void* dst, const void* src, std::size_t bytes, device_ref dev, stream_ref s) {
     const cudaKernel_t kernel = sm_copy_kernel();
     const std::size_t per_pass = std::size_t{sm_copy_threads} * 16;
     const auto blocks = static_cast<unsigned>(
@@ -191,6 +195,44 @@ void enqueue_sm_copy(void* dst, const void* src, std::size_t bytes, device_ref d
     check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks),
                            dim3(sm_copy_threads), args, 0, s.get()),
           "cudaLaunchKernel (the small-copy kernel)");
+}
+
+/// Enqueues the SM copy of `bytes` from `src` to `dst` (both addresses the device `dev` can
+/// use) on `s`, a stream of `dev`.
+/// @throws cuda_error
+template <class = void>
+void enqueue_sm_copy(void* dst, const void* src, std::size_t bytes, device_ref dev, stream_ref s) {
+    launch_sm_copy(dst, src, bytes, dev, s);
+    sm_copies_enqueued.fetch_add(1, std::memory_order_relaxed);
+}
+
+/// Loads the kernel on `dev` once per process, by a launch over zero bytes on `s` (a stream of
+/// `dev`), synchronised. The driver loads a kernel on a device at its first launch there, and
+/// loading waits for the work the device is running: a first small copy made beside a bulk copy
+/// would wait for it (1 GiB, in the tests). So whatever may make such copies beside bulk work
+/// (the copy lanes, a pipeline) loads it when it is made.
+/// @throws cuda_error
+template <class = void>
+void preload_sm_copy(device_ref dev, stream_ref s) {
+    struct loaded {
+        std::mutex mutex;
+        std::vector<bool> on; ///< per device id
+    };
+    static loaded* const state = new loaded(); // never destroyed, like the kernel
+    const auto id = static_cast<std::size_t>(dev.get());
+    {
+        std::lock_guard lock(state->mutex);
+        if (id < state->on.size() && state->on[id]) {
+            return;
+        }
+    }
+    launch_sm_copy(nullptr, nullptr, 0, dev, s);
+    check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize (loading the small-copy kernel)");
+    std::lock_guard lock(state->mutex);
+    if (state->on.size() <= id) {
+        state->on.resize(id + 1);
+    }
+    state->on[id] = true;
 }
 
 } // namespace cudawait::detail
