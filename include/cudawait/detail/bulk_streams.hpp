@@ -18,10 +18,10 @@
 // registry is never destroyed: a static destructor may run after the CUDA driver has gone.
 //
 // Asking costs a cudaStreamQuery per stream: with three streams registered it put 3-6 us on an
-// idle 4 KiB copy of 8-9 us (lane_bench), more than a small copy can spare. So each registration carries a work count that its owner
-// bumps before it enqueues work there (a pipeline once per flight, the bulk lane once per D2H
-// copy), and streams found idle are not asked again until their count moves. Work others
-// enqueue on those streams without a bump is not seen.
+// idle 4 KiB copy of 8-9 us (lane_bench), more than a small copy can spare. So each registration
+// carries a work count that its owner bumps before it enqueues work there (a pipeline once per
+// flight, the bulk lane once per D2H copy), and streams found idle are not asked again until their
+// count moves. Work others enqueue on those streams without a bump is not seen.
 
 #include <cudawait/error.hpp>
 
