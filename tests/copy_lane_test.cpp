@@ -325,39 +325,52 @@ TEST_F(copy_lane_gpu, copies_the_sms_do_not_make_are_exact_too) {
     }
 }
 
+// What the tests of a small copy beside a bulk one start from: a 1 GiB device source of `fill`
+// bytes and its pinned destination, and 1024 random words (from `seed`) in device memory.
+struct beside_bulk {
+    static constexpr std::size_t big = std::size_t{1} << 30;
+    static constexpr std::size_t n = 1024;
+
+    beside_bulk(std::uint8_t fill, std::uint64_t seed)
+        : bulk_src(big, s), bulk_dst(big), dev(n, s), want(random_words(n, seed)) {
+        cudawait::check(cudaMemcpyAsync(dev.data(), want.data(), n * sizeof(u32),
+                                        cudaMemcpyHostToDevice, s.get()),
+                        "cudaMemcpyAsync");
+        cudawait::check(cudaMemsetAsync(bulk_src.data(), fill, big, s.get()), "cudaMemsetAsync");
+        s.sync();
+    }
+
+    cudawait::stream s;
+    cudawait::device_buffer<std::uint8_t> bulk_src;
+    cudawait::pinned_buffer<std::uint8_t> bulk_dst;
+    cudawait::device_buffer<u32> dev;
+    std::vector<u32> want;
+};
+
 // The point of it: a small device-to-host copy made by the SMs completes while a bulk copy the
 // engine took first is still running (1 GiB, about 20 ms at the link's rate).
 TEST_F(copy_lane_gpu, an_sm_copy_does_not_wait_for_a_bulk_copy_on_the_engine) {
-    cudawait::stream s;
-    const std::size_t big = std::size_t{1} << 30;
-    cudawait::device_buffer<std::uint8_t> bulk_src(big, s);
-    cudawait::pinned_buffer<std::uint8_t> bulk_dst(big);
-    const std::size_t n = 1024;
-    cudawait::device_buffer<u32> dev(n, s);
-    const auto want = random_words(n, 73);
-    ASSERT_EQ(
-        cudaMemcpyAsync(dev.data(), want.data(), n * sizeof(u32), cudaMemcpyHostToDevice, s.get()),
-        cudaSuccess);
-    ASSERT_EQ(cudaMemsetAsync(bulk_src.data(), 0x5a, big, s.get()), cudaSuccess);
-    s.sync();
+    beside_bulk b(0x5a, 73);
+    const std::size_t big = beside_bulk::big;
+    const std::size_t n = beside_bulk::n;
     cudawait::scheduler sched;
     cudawait::copy_options o;
     o.sm_copy_bytes = 64_KiB;
     cudawait::pinned_buffer<u32> back(n);
     // Once first: the kernel is loaded (and compiled by the driver) on first use.
-    cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small, o));
+    cudawait::sync_wait(sched, cudawait::copy(back, b.dev, lane::small, o));
     std::fill(back.data(), back.data() + n, 0xdeadbeef);
     const cudawait::stream_ref bulk =
         copy_lanes::for_device(device_ref(0)).get(lane::bulk, copy_direction::d2h);
-    ASSERT_EQ(
-        cudaMemcpyAsync(bulk_dst.data(), bulk_src.data(), big, cudaMemcpyDeviceToHost, bulk.get()),
-        cudaSuccess);
-    cudawait::sync_wait(sched, cudawait::copy(back, dev, lane::small, o));
+    ASSERT_EQ(cudaMemcpyAsync(b.bulk_dst.data(), b.bulk_src.data(), big, cudaMemcpyDeviceToHost,
+                              bulk.get()),
+              cudaSuccess);
+    cudawait::sync_wait(sched, cudawait::copy(back, b.dev, lane::small, o));
     EXPECT_FALSE(bulk.is_done()) << "the small copy waited for the bulk copy";
-    EXPECT_TRUE(std::equal(want.begin(), want.end(), back.data()));
+    EXPECT_TRUE(std::equal(b.want.begin(), b.want.end(), back.data()));
     bulk.sync();
-    EXPECT_EQ(bulk_dst[0], 0x5a);
-    EXPECT_EQ(bulk_dst[big - 1], 0x5a);
+    EXPECT_EQ(b.bulk_dst[0], 0x5a);
+    EXPECT_EQ(b.bulk_dst[big - 1], 0x5a);
 }
 
 // ---- small device-to-host copies beside the library's bulk ones --------------------------------
@@ -430,30 +443,21 @@ TEST_F(copy_lane_gpu, the_bulk_stream_registry_sees_work_pending_and_forgets_a_s
 // first SM copy: the lanes loaded the kernel when they were made, so the copy does not wait for
 // a loading that waits for the bulk copy.
 TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_runs) {
-    cudawait::stream s;
-    const std::size_t big = std::size_t{1} << 30;
-    cudawait::device_buffer<std::uint8_t> bulk_src(big, s);
-    cudawait::pinned_buffer<std::uint8_t> bulk_dst(big);
-    const std::size_t n = 1024;
-    cudawait::device_buffer<u32> dev(n, s);
-    const auto want = random_words(n, 74);
-    ASSERT_EQ(
-        cudaMemcpyAsync(dev.data(), want.data(), n * sizeof(u32), cudaMemcpyHostToDevice, s.get()),
-        cudaSuccess);
-    ASSERT_EQ(cudaMemsetAsync(bulk_src.data(), 0x3c, big, s.get()), cudaSuccess);
-    s.sync();
+    beside_bulk b(0x3c, 74);
+    const std::size_t big = beside_bulk::big;
+    const std::size_t n = beside_bulk::n;
     cudawait::scheduler sched;
     cudawait::pinned_buffer<u32> back(n);
     const cudawait::stream_ref bulk =
         copy_lanes::for_device(device_ref(0)).get(lane::bulk, copy_direction::d2h);
     auto check_back = [&] {
         for (std::size_t i = 0; i < n; ++i) {
-            ASSERT_EQ(back[i], want[i]) << "word " << i;
+            ASSERT_EQ(back[i], b.want[i]) << "word " << i;
         }
     };
     auto small_copy_back = [&](const cudawait::copy_options& o) {
         std::fill(back.data(), back.data() + n, 0xdeadbeef);
-        cudawait::sync_wait(sched, cudawait::copy(back, dev, o));
+        cudawait::sync_wait(sched, cudawait::copy(back, b.dev, o));
         check_back();
     };
     // Idle: a copy engine.
@@ -466,22 +470,22 @@ TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_run
     bool bulk_ran_on = false;
     made = sm_copies();
     auto small = [&]() -> cudawait::task<void> {
-        co_await cudawait::copy(back, dev);
+        co_await cudawait::copy(back, b.dev);
         bulk_ran_on = !bulk.is_done();
     };
     cudawait::sync_wait(
-        sched, cudawait::when_all(cudawait::copy(bulk_dst, bulk_src, lane::bulk), small()));
+        sched, cudawait::when_all(cudawait::copy(b.bulk_dst, b.bulk_src, lane::bulk), small()));
     check_back();
     EXPECT_EQ(sm_copies(), made + 1) << "the copy was not made by the SMs";
     EXPECT_TRUE(bulk_ran_on) << "the small copy waited for the bulk copy";
     for (std::size_t i : {std::size_t{0}, big / 3, big / 2, big - 1}) {
-        ASSERT_EQ(bulk_dst[i], 0x3c) << "bulk byte " << i;
+        ASSERT_EQ(b.bulk_dst[i], 0x3c) << "bulk byte " << i;
     }
 
     // Not with busy_sm_copy_bytes 0, nor over it, nor to the device.
-    ASSERT_EQ(
-        cudaMemcpyAsync(bulk_dst.data(), bulk_src.data(), big, cudaMemcpyDeviceToHost, bulk.get()),
-        cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(b.bulk_dst.data(), b.bulk_src.data(), big, cudaMemcpyDeviceToHost,
+                              bulk.get()),
+              cudaSuccess);
     bulk_streams::instance().note_work(bulk.get());
     cudawait::copy_options off;
     off.busy_sm_copy_bytes = 0;
@@ -492,11 +496,11 @@ TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_run
     const auto up = random_words(n, 75);
     cudawait::pinned_buffer<u32> src(n);
     std::copy(up.begin(), up.end(), src.data());
-    cudawait::sync_wait(sched, cudawait::copy(dev, src));
+    cudawait::sync_wait(sched, cudawait::copy(b.dev, src));
     EXPECT_EQ(sm_copies(), made + 1) << "only the copy beside the bulk one goes by the SMs";
     bulk.sync();
     std::vector<u32> seen(n, 0);
-    ASSERT_EQ(cudaMemcpy(seen.data(), dev.data(), n * sizeof(u32), cudaMemcpyDeviceToHost),
+    ASSERT_EQ(cudaMemcpy(seen.data(), b.dev.data(), n * sizeof(u32), cudaMemcpyDeviceToHost),
               cudaSuccess);
     EXPECT_EQ(seen, up);
 }
