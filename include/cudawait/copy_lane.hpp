@@ -156,7 +156,9 @@ private:
     };
 
     // Each stream is made as a cudawait::stream (non-blocking, with the priority) and released
-    // at once: nothing destroys it, and stream::live_count() counts the streams users own.
+    // at once: nothing destroys it, and stream::live_count() counts the streams users own. A
+    // template for the reason for_device() is one.
+    template <class = void>
     explicit copy_lanes(device_ref dev) : m_device(dev.get()) {
         const int high = priority_high(dev);
         const int low = priority_low(dev);

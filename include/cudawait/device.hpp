@@ -133,8 +133,11 @@ inline device_ref::priority_range device_ref::stream_priorities() const {
 namespace detail {
 
 /// Which ordered device pairs enable_peer_access settled, and how: process-wide. Never
-/// destroyed, so that no static destructor can find it gone.
-struct peer_access_record {
+/// destroyed, so that no static destructor can find it gone. A class template (of an unused
+/// parameter, always void), like enable_peer_access, so that only a translation unit that
+/// enables access instantiates it; spelled peer_access_record.
+template <class Unused = void>
+struct basic_peer_access_record {
     struct entry {
         int a;
         int b;
@@ -145,11 +148,13 @@ struct peer_access_record {
     /// without <map> in every translation unit.
     std::vector<entry> pairs;
 
-    static peer_access_record& instance() {
-        static peer_access_record* record = new peer_access_record();
+    static basic_peer_access_record& instance() {
+        static basic_peer_access_record* record = new basic_peer_access_record();
         return *record;
     }
 };
+
+using peer_access_record = basic_peer_access_record<>;
 
 } // namespace detail
 
@@ -169,8 +174,9 @@ struct peer_access_record {
 /// @throws cuda_error (cudaErrorInvalidDevice for an id that names no visible device; any
 ///         other error of cudaDeviceCanAccessPeer or cudaDeviceEnablePeerAccess, such as
 ///         cudaErrorTooManyPeers)
-inline bool enable_peer_access(int a, int b,
-                               std::source_location where = std::source_location::current()) {
+template <class = void>
+bool enable_peer_access(int a, int b,
+                        std::source_location where = std::source_location::current()) {
     auto& record = detail::peer_access_record::instance();
     std::lock_guard lock(record.mutex);
     for (const detail::peer_access_record::entry& e : record.pairs) {

@@ -209,6 +209,7 @@ public:
     /// @throws cuda_error for an invalid device; usage_error in a child process created by
     ///         fork() after the pools were made (their events belong to the parent's CUDA
     ///         context, which a child cannot use)
+    template <class = void>
     [[nodiscard]] static event_pool& for_device(int dev) {
         static const device_pools pools;
         if (pools.count > 0 && pools.pools[0]->m_stamp.inherited()) {
@@ -234,12 +235,17 @@ public:
         }
     }
 
-    /// Borrows an event, creating one when the cache is empty.
+    /// Borrows an event, creating one when the cache is empty. This member, the next two and
+    /// for_device() are templates (of an unused parameter): instantiated only where used.
     /// @throws cuda_error
-    [[nodiscard]] pooled_event acquire() { return pooled_event(this, acquire_raw()); }
+    template <class = void>
+    [[nodiscard]] pooled_event acquire() {
+        return pooled_event(this, acquire_raw());
+    }
 
     /// Raw form of acquire() for the scheduler's intrusive bookkeeping; pair with release_raw.
     /// @throws cuda_error
+    template <class = void>
     [[nodiscard]] cudaEvent_t acquire_raw() {
         {
             std::lock_guard lock(m_mutex);
@@ -264,6 +270,7 @@ public:
     }
     /// Gives back an event from acquire_raw(). Its last record must be complete or abandoned
     /// by every waiter: a later acquire() may record it again.
+    template <class = void>
     void release_raw(cudaEvent_t e) noexcept {
         std::lock_guard lock(m_mutex);
         --m_outstanding;

@@ -328,9 +328,10 @@ private:
 
 namespace detail {
 /// The error of a batch in which chunks failed. The message is written before the lists move
-/// into the error (in one call's arguments the moves may come first).
-inline pipeline_error batch_failed(std::vector<std::size_t> completed,
-                                   std::vector<std::size_t> failed) {
+/// into the error (in one call's arguments the moves may come first). A template (of an unused
+/// parameter) so that only a translation unit that runs a batch instantiates it.
+template <class = void>
+pipeline_error batch_failed(std::vector<std::size_t> completed, std::vector<std::size_t> failed) {
     std::string what = "pipeline: " + std::to_string(failed.size()) + " of " +
                        std::to_string(completed.size() + failed.size()) + " chunks failed";
     return pipeline_error(what, std::move(completed), std::move(failed));

@@ -65,8 +65,12 @@ struct scope_sink {
 ///
 /// Thread-safe: spawn from any thread. Destroying a scope with work still running is a bug; it
 /// is reported on stderr (the work itself goes on and its outcome is dropped).
+///
+/// The members that make or copy the shared state are templates (of an unused parameter), so
+/// that only a translation unit that uses a scope instantiates them.
 class async_scope {
 public:
+    template <class = void>
     explicit async_scope(scheduler& s) : m_state(std::make_shared<detail::scope_state>(s)) {}
     async_scope(const async_scope&) = delete;
     async_scope& operator=(const async_scope&) = delete;
@@ -118,6 +122,7 @@ public:
             return true;
         }
         /// @throws the first exception spawned work threw since the last join
+        template <class = void>
         void await_resume() const {
             std::exception_ptr first;
             {
@@ -141,6 +146,7 @@ public:
     [[nodiscard]] join_awaiter join() noexcept { return join_awaiter(*m_state); }
 
     /// Every exception reported by the last join that threw.
+    template <class = void>
     [[nodiscard]] std::vector<std::exception_ptr> errors() const {
         std::lock_guard lock(m_state->mutex);
         return m_state->last_errors;

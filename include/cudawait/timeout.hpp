@@ -107,16 +107,19 @@ private:
 /// event of its own (`cudaStreamWaitEvent(relay, e)`, then a record on the relay). One
 /// process-wide cache, per device; thread-safe, and no CUDA call is made under its lock. A
 /// stream is cached again only once its last record completed, so a later wait never queues
-/// behind an earlier one that is still unsatisfied.
-class relay_stream_cache {
+/// behind an earlier one that is still unsatisfied. A class template (of an unused parameter,
+/// always void) so that only a translation unit that times out an event instantiates it;
+/// spelled relay_stream_cache.
+template <class Unused = void>
+class basic_relay_stream_cache {
 public:
-    [[nodiscard]] static relay_stream_cache& instance() {
-        static relay_stream_cache cache;
+    [[nodiscard]] static basic_relay_stream_cache& instance() {
+        static basic_relay_stream_cache cache;
         return cache;
     }
-    relay_stream_cache(const relay_stream_cache&) = delete;
-    relay_stream_cache& operator=(const relay_stream_cache&) = delete;
-    ~relay_stream_cache() {
+    basic_relay_stream_cache(const basic_relay_stream_cache&) = delete;
+    basic_relay_stream_cache& operator=(const basic_relay_stream_cache&) = delete;
+    ~basic_relay_stream_cache() {
         for (const auto& streams : m_free) {
             for (cudaStream_t s : streams) {
                 report(cudaStreamDestroy(s), "cudaStreamDestroy");
@@ -172,22 +175,27 @@ public:
     }
 
 private:
-    relay_stream_cache() = default;
+    basic_relay_stream_cache() = default;
     std::mutex m_mutex;
     std::vector<std::vector<cudaStream_t>> m_free;
 };
 
+using relay_stream_cache = basic_relay_stream_cache<>;
+
 /// What with_timeout awaits for a stream or an event: a pooled event of its own, recorded at the
 /// call, that completes with the work the stream or event held then. The wait, which may
 /// outlive the caller, refers to nothing the caller owns: the stream or event may be destroyed
-/// as soon as with_timeout returned. Move-only.
-class captured_wait {
+/// as soon as with_timeout returned. Move-only. A class template (of an unused parameter, always
+/// void) for the reason relay_stream_cache is one; spelled captured_wait.
+template <class Unused = void>
+class basic_captured_wait {
 public:
     /// Captures the work enqueued on `s` so far.
     /// @throws cuda_error, usage_error (a moved-from stream)
-    [[nodiscard]] static captured_wait of_stream(stream_ref s, const std::source_location& where) {
+    [[nodiscard]] static basic_captured_wait of_stream(stream_ref s,
+                                                       const std::source_location& where) {
         const int dev = s.device(where);
-        captured_wait w(event_pool::for_device(dev).acquire(), where);
+        basic_captured_wait w(event_pool::for_device(dev).acquire(), where);
         w.m_event.record(s, where);
         return w;
     }
@@ -195,10 +203,11 @@ public:
     /// Captures the work `e`'s last record captured (none for a never-recorded event), through
     /// a relay stream of the current device that waits for `e`.
     /// @throws cuda_error, usage_error (a moved-from event)
-    [[nodiscard]] static captured_wait of_event(event_ref e, const std::source_location& where) {
+    [[nodiscard]] static basic_captured_wait of_event(event_ref e,
+                                                      const std::source_location& where) {
         const int dev = current_device(where).get();
-        captured_wait w(event_pool::for_device(dev).acquire(), where);
-        w.m_relay = relay_stream_cache::instance().acquire(dev, where);
+        basic_captured_wait w(event_pool::for_device(dev).acquire(), where);
+        w.m_relay = basic_relay_stream_cache<Unused>::instance().acquire(dev, where);
         w.m_relay_device = dev;
         check(cudaStreamWaitEvent(w.m_relay, e.get(), 0), "cudaStreamWaitEvent", where);
         w.m_event.record(stream_ref(w.m_relay), where);
@@ -206,21 +215,21 @@ public:
         return w;
     }
 
-    captured_wait(captured_wait&& o) noexcept
+    basic_captured_wait(basic_captured_wait&& o) noexcept
         : m_event(std::move(o.m_event)), m_where(o.m_where),
           m_relay(std::exchange(o.m_relay, nullptr)), m_relay_device(o.m_relay_device),
           m_relay_recorded(o.m_relay_recorded) {}
-    captured_wait& operator=(captured_wait&&) = delete;
-    captured_wait(const captured_wait&) = delete;
-    captured_wait& operator=(const captured_wait&) = delete;
-    ~captured_wait() { release_relay(); }
+    basic_captured_wait& operator=(basic_captured_wait&&) = delete;
+    basic_captured_wait(const basic_captured_wait&) = delete;
+    basic_captured_wait& operator=(const basic_captured_wait&) = delete;
+    ~basic_captured_wait() { release_relay(); }
 
     [[nodiscard]] cudaEvent_t event() const { return m_event.get(); }
     /// The with_timeout call, reported by errors the wait observes.
     [[nodiscard]] const std::source_location& where() const noexcept { return m_where; }
 
 private:
-    captured_wait(pooled_event ev, const std::source_location& where) noexcept
+    basic_captured_wait(pooled_event ev, const std::source_location& where) noexcept
         : m_event(std::move(ev)), m_where(where) {}
 
     void release_relay() noexcept {
@@ -236,8 +245,8 @@ private:
                 (void)cudaGetLastError();
             }
         }
-        relay_stream_cache::instance().release(m_relay_device, std::exchange(m_relay, nullptr),
-                                               idle);
+        basic_relay_stream_cache<Unused>::instance().release(m_relay_device,
+                                                             std::exchange(m_relay, nullptr), idle);
     }
 
     pooled_event m_event;
@@ -247,8 +256,11 @@ private:
     bool m_relay_recorded = false;
 };
 
-inline wait_awaiter<cudaEvent_t> await_on(promise_base& p, const captured_wait& w,
-                                          std::source_location) {
+using captured_wait = basic_captured_wait<>;
+
+template <class Unused>
+wait_awaiter<cudaEvent_t> await_on(promise_base& p, const basic_captured_wait<Unused>& w,
+                                   std::source_location) {
     return {p.require_scheduler(), w.event(), w.where()};
 }
 

@@ -38,8 +38,11 @@
 
 namespace cudawait::detail {
 
-/// The registry (see the header's comment). Thread-safe.
-class bulk_streams {
+/// The registry (see the header's comment). Thread-safe. A class template (of an unused
+/// parameter, always void) so that only a translation unit that registers or asks instantiates
+/// its members; spelled bulk_streams.
+template <class Unused = void>
+class basic_bulk_streams {
 public:
     /// Streams of one device registered together, with their owner's work count.
     struct group {
@@ -50,8 +53,8 @@ public:
     };
 
     /// The process's registry.
-    static bulk_streams& instance() {
-        static bulk_streams* const r = new bulk_streams(); // never destroyed
+    static basic_bulk_streams& instance() {
+        static basic_bulk_streams* const r = new basic_bulk_streams(); // never destroyed
         return *r;
     }
 
@@ -123,31 +126,35 @@ public:
     }
 
 private:
-    bulk_streams() = default;
+    basic_bulk_streams() = default;
 
     mutable std::mutex m_mutex;
     std::vector<std::unique_ptr<group>> m_groups;
 };
 
-/// Registers streams of one device in bulk_streams for its lifetime. Move-only.
-class bulk_stream_registration {
+using bulk_streams = basic_bulk_streams<>;
+
+/// Registers streams of one device in bulk_streams for its lifetime. Move-only. A class template
+/// for the reason bulk_streams is one; spelled bulk_stream_registration.
+template <class Unused = void>
+class basic_bulk_stream_registration {
 public:
-    bulk_stream_registration() = default;
+    basic_bulk_stream_registration() = default;
     /// @throws std::bad_alloc (nothing stays registered)
-    bulk_stream_registration(int device, std::vector<cudaStream_t> streams)
-        : m_group(bulk_streams::instance().add(device, std::move(streams))) {}
-    bulk_stream_registration(bulk_stream_registration&& o) noexcept
+    basic_bulk_stream_registration(int device, std::vector<cudaStream_t> streams)
+        : m_group(basic_bulk_streams<Unused>::instance().add(device, std::move(streams))) {}
+    basic_bulk_stream_registration(basic_bulk_stream_registration&& o) noexcept
         : m_group(std::exchange(o.m_group, nullptr)) {}
-    bulk_stream_registration& operator=(bulk_stream_registration&& o) noexcept {
+    basic_bulk_stream_registration& operator=(basic_bulk_stream_registration&& o) noexcept {
         if (this != &o) {
             release();
             m_group = std::exchange(o.m_group, nullptr);
         }
         return *this;
     }
-    bulk_stream_registration(const bulk_stream_registration&) = delete;
-    bulk_stream_registration& operator=(const bulk_stream_registration&) = delete;
-    ~bulk_stream_registration() { release(); }
+    basic_bulk_stream_registration(const basic_bulk_stream_registration&) = delete;
+    basic_bulk_stream_registration& operator=(const basic_bulk_stream_registration&) = delete;
+    ~basic_bulk_stream_registration() { release(); }
 
     /// Call before enqueueing work on the streams: the next pending() asks them again.
     void note_work() const noexcept {
@@ -159,12 +166,14 @@ public:
 private:
     void release() noexcept {
         if (m_group != nullptr) {
-            bulk_streams::instance().remove(m_group);
+            basic_bulk_streams<Unused>::instance().remove(m_group);
             m_group = nullptr;
         }
     }
 
-    bulk_streams::group* m_group = nullptr;
+    typename basic_bulk_streams<Unused>::group* m_group = nullptr;
 };
+
+using bulk_stream_registration = basic_bulk_stream_registration<>;
 
 } // namespace cudawait::detail

@@ -72,8 +72,10 @@ cudaError_t make_sentinel_stream(int device, cudaStream_t& out) noexcept {
 }
 
 /// Sentinels that wake their owner when an awaited event completes. Owner's thread only, except
-/// for the host functions it launches.
-class idle_watch {
+/// for the host functions it launches. A class template (of an unused parameter, always void) so
+/// that only a translation unit that arms one instantiates its members; spelled idle_watch.
+template <class Unused = void>
+class basic_idle_watch {
 public:
     /// Called from a CUDA-internal thread when a watched event completed; must not call CUDA.
     using wake_fn = void (*)(void* context) noexcept;
@@ -81,10 +83,10 @@ public:
     /// Sentinels in flight at most; past that the owner polls (each holds a stream).
     static constexpr std::size_t max_armed = 64;
 
-    idle_watch(wake_fn wake, void* context) noexcept : m_wake(wake), m_context(context) {}
-    idle_watch(const idle_watch&) = delete;
-    idle_watch& operator=(const idle_watch&) = delete;
-    ~idle_watch() {
+    basic_idle_watch(wake_fn wake, void* context) noexcept : m_wake(wake), m_context(context) {}
+    basic_idle_watch(const basic_idle_watch&) = delete;
+    basic_idle_watch& operator=(const basic_idle_watch&) = delete;
+    ~basic_idle_watch() {
         // In a forked child the streams are the parent's, no host function will run, and the
         // target's mutex may have been held by the parent's CUDA thread at the fork: touch none.
         if (!m_target || m_stamp.inherited()) {
@@ -137,7 +139,7 @@ public:
                 std::lock_guard lock(m_target->mutex);
                 ++m_target->armed;
             }
-            if (cudaError_t st = cudaLaunchHostFunc(s, &idle_watch::fired, tok);
+            if (cudaError_t st = cudaLaunchHostFunc(s, &basic_idle_watch::fired, tok);
                 st != cudaSuccess) {
                 {
                     std::lock_guard lock(m_target->mutex);
@@ -238,5 +240,7 @@ private:
     std::vector<sentinel_stream> m_streams; ///< every stream made, destroyed with the watch
     fork_stamp m_stamp;                     ///< the process whose context owns the streams
 };
+
+using idle_watch = basic_idle_watch<>;
 
 } // namespace cudawait::detail
