@@ -42,10 +42,12 @@
 // began to as many before it ended: both directions busy), and batches continue until each
 // direction has kSamples such copies (after kMaxBulkRuns batches, fewer do, kMinSamples at
 // least; the counts are printed; a direction with fewer counts the copies that began within a
-// steady state, since one that waits for the batch's last chunk ends after it). Each batch's output
-// is poisoned (a strided sample and every chunk's first and last element) before and checked after;
-// a wrong value ends the program. Latencies are the median and p99 (nearest rank); the summary's
-// ratio divides a variant's median under bulk by its median idle, measured in the same run.
+// steady state, since one that waits for the batch's last chunk ends after it, and a variant
+// still short of kMinSamples is reported on what it has, with a line that says so). Each batch's
+// output is poisoned (a strided sample and every chunk's first and last element) before and checked
+// after; a wrong value ends the program. Latencies are the median and p99 (nearest rank); the
+// summary's ratio divides a variant's median under bulk by its median idle, measured in the same
+// run.
 //
 // Every coroutine here is a free function in namespace `bench` taking its state through
 // parameters (see await_bench.cu for why).
@@ -562,9 +564,16 @@ void measure_once() {
                 std::printf("%s: d2h counted by start: %zu copies\n", v.name.c_str(), d2h.size());
             }
         }
+        if (h2d.empty() || d2h.empty()) {
+            throw std::runtime_error(v.name + ": no small copy within the bulk's steady state");
+        }
         if (h2d.size() < kMinSamples || d2h.size() < kMinSamples) {
-            throw std::runtime_error(v.name + ": too few small copies within the bulk's steady "
-                                              "state");
+            // A reference variant whose copies each wait for a whole chunk on both engines
+            // (which engine a stream gets varies from process to process) has few: its figures
+            // rest on those, and the run goes on.
+            std::printf("%s: fewer than %zu copies in a direction; its medians rest on %zu h2d "
+                        "and %zu d2h copies\n",
+                        v.name.c_str(), kMinSamples, h2d.size(), d2h.size());
         }
         g_latency[v.name + "/h2d_bulk"] = std::move(h2d);
         g_latency[v.name + "/d2h_bulk"] = std::move(d2h);
