@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # What cudawait's headers cost each translation unit that includes them, under nvcc and g++.
-#   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu | --memory] [--only nvcc|g++]
+#   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu | --memory | --instructions]
+#                              [--only nvcc|g++]
 #     --runs N     best of N wall times per compile (default 3); the runs are interleaved, so
 #                  load from other work on the machine spreads over every subject alike
 #     --headers    also time each public header on its own (nccl.hpp only where nccl.h is found)
 #     --cpu        CPU seconds (user + system) instead of wall seconds: steadier on a busy machine
 #     --memory     g++ only: MB its front end allocates (-ftime-report's TOTAL), which does not
 #                  depend on load at all; it follows the time closely
+#     --instructions  instructions executed, in billions, by the compiler and every program it
+#                  runs (valgrind's callgrind; nvcc's cudafe++, cicc, the host g++...): the same
+#                  every run, for nvcc too, but each compile takes minutes
 #     --only C     time one compiler only
 # For each subject it compiles a one-line TU (`#include <cudawait/...>` + `int main(){}`) and its
 # floor: a TU that includes exactly the standard, system and CUDA headers that cudawait's own
@@ -21,7 +25,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '3,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '3,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -42,6 +46,10 @@ while (($# > 0)); do
         compilers=(g++)
         runs=1 # the same every time
         ;;
+    --instructions)
+        clock=instructions
+        runs=1 # the same every time
+        ;;
     --only)
         compilers=("$2")
         shift
@@ -57,7 +65,9 @@ nvcc="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 cxx="${CXX:-g++}"
 cuda_home="${CUDA_HOME:-$(cd "$(dirname "${nvcc}")/.." && pwd)}"
 cuda_include="${cuda_home}/include"
-for tool in "${nvcc}" "${cxx}"; do
+tools=("${nvcc}" "${cxx}")
+[[ "${clock}" == instructions ]] && tools+=(valgrind)
+for tool in "${tools[@]}"; do
     if ! command -v "${tool}" >/dev/null 2>&1; then
         echo "compile_cost.sh: ${tool} not found" >&2
         exit 1
@@ -209,6 +219,18 @@ timed() {
         }' "${work}/log")"
         return
     fi
+    if [[ "${clock}" == instructions ]]; then
+        rm -f "${work}"/callgrind.*
+        if ! valgrind --tool=callgrind --trace-children=yes \
+            --callgrind-out-file="${work}/callgrind.%p" "$@" >"${work}/log" 2>&1; then
+            echo "compile_cost.sh: failed under valgrind: $*" >&2
+            cat "${work}/log" >&2
+            exit 1
+        fi
+        best["${key}"]="$(cat "${work}"/callgrind.* |
+            awk '/^summary:/ { n += $2 } END { printf "%.3f", n / 1e9 }')"
+        return
+    fi
     now start
     if ! "$@" >"${work}/log" 2>&1; then
         echo "compile_cost.sh: failed: $*" >&2
@@ -248,6 +270,7 @@ done
 
 unit="${clock} seconds"
 [[ "${clock}" == memory ]] && unit="MB allocated by the front end"
+[[ "${clock}" == instructions ]] && unit="billions of instructions executed (callgrind)"
 echo "cudawait compile cost: best of ${runs}, ${unit}, per TU ($(nproc) cores)"
 echo "  nvcc: $("${nvcc}" --version | sed -n '$p'): ${nvcc_flags[*]}"
 echo "  g++:  $("${cxx}" --version | sed -n 1p): ${cxx_flags[*]}"
