@@ -436,37 +436,38 @@ TEST_F(copy_lane_gpu, the_bulk_stream_registry_sees_work_pending_and_forgets_a_s
     EXPECT_GE(r.count(0), 1u);
 }
 
-// With the default options a small D2H copy on the lane goes by the SMs while a bulk D2H copy of
-// the device runs (here 1 GiB on the bulk lane, about 20 ms at the link's rate, awaited beside
-// it) and completes before it; with the bulk lane idle, or busy_sm_copy_bytes 0, or for a copy
-// to the device, a copy engine makes it. Every copy's words are checked. It is the process's
-// first SM copy: the lanes loaded the kernel when they were made, so the copy does not wait for
-// a loading that waits for the bulk copy.
-TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_runs) {
-    beside_bulk b(0x3c, 74);
+// The bulk lane's D2H stream of device 0.
+cudawait::stream_ref bulk_d2h() {
+    return copy_lanes::for_device(device_ref(0)).get(lane::bulk, copy_direction::d2h);
+}
+
+// Small D2H copies of b.dev into `back` (a pinned_buffer or a std::vector) on the small lane, with
+// every word checked: idle, a copy engine makes it; beside a bulk D2H copy of the device (1 GiB
+// on the bulk lane, about 20 ms at the link's rate, awaited beside it) the SMs do, and it
+// completes while the bulk copy still runs; then, with the bulk lane's D2H stream busy again,
+// neither a copy with busy_sm_copy_bytes 0 nor one over it goes by the SMs. It returns with that
+// second bulk copy still running (on bulk_d2h()).
+template <class Back>
+void small_d2h_copies_beside_bulk(beside_bulk& b, Back& back, std::uint8_t fill) {
     const std::size_t big = beside_bulk::big;
     const std::size_t n = beside_bulk::n;
     cudawait::scheduler sched;
-    cudawait::pinned_buffer<u32> back(n);
-    const cudawait::stream_ref bulk =
-        copy_lanes::for_device(device_ref(0)).get(lane::bulk, copy_direction::d2h);
+    const cudawait::stream_ref bulk = bulk_d2h();
     auto check_back = [&] {
         for (std::size_t i = 0; i < n; ++i) {
             ASSERT_EQ(back[i], b.want[i]) << "word " << i;
         }
     };
     auto small_copy_back = [&](const cudawait::copy_options& o) {
-        std::fill(back.data(), back.data() + n, 0xdeadbeef);
+        std::fill(back.begin(), back.end(), 0xdeadbeef);
         cudawait::sync_wait(sched, cudawait::copy(back, b.dev, o));
         check_back();
     };
-    // Idle: a copy engine.
     unsigned long long made = sm_copies();
     small_copy_back({});
     EXPECT_EQ(sm_copies(), made) << "the bulk lane was idle";
 
-    // Beside the bulk copy: the SMs, done while it still runs.
-    std::fill(back.data(), back.data() + n, 0xdeadbeef);
+    std::fill(back.begin(), back.end(), 0xdeadbeef);
     bool bulk_ran_on = false;
     made = sm_copies();
     auto small = [&]() -> cudawait::task<void> {
@@ -479,10 +480,9 @@ TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_run
     EXPECT_EQ(sm_copies(), made + 1) << "the copy was not made by the SMs";
     EXPECT_TRUE(bulk_ran_on) << "the small copy waited for the bulk copy";
     for (std::size_t i : {std::size_t{0}, big / 3, big / 2, big - 1}) {
-        ASSERT_EQ(b.bulk_dst[i], 0x3c) << "bulk byte " << i;
+        ASSERT_EQ(b.bulk_dst[i], fill) << "bulk byte " << i;
     }
 
-    // Not with busy_sm_copy_bytes 0, nor over it, nor to the device.
     ASSERT_EQ(cudaMemcpyAsync(b.bulk_dst.data(), b.bulk_src.data(), big, cudaMemcpyDeviceToHost,
                               bulk.get()),
               cudaSuccess);
@@ -493,16 +493,59 @@ TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_run
     cudawait::copy_options under;
     under.busy_sm_copy_bytes = n * sizeof(u32) - 1;
     small_copy_back(under);
-    const auto up = random_words(n, 75);
-    cudawait::pinned_buffer<u32> src(n);
-    std::copy(up.begin(), up.end(), src.data());
-    cudawait::sync_wait(sched, cudawait::copy(b.dev, src));
     EXPECT_EQ(sm_copies(), made + 1) << "only the copy beside the bulk one goes by the SMs";
-    bulk.sync();
+}
+
+// Copies b.dev's words on the device with `up` through the small lane (with options `o`), then
+// checks every word.
+template <class Src>
+void small_h2d_copy(beside_bulk& b, const Src& up, const cudawait::copy_options& o) {
+    const std::size_t n = beside_bulk::n;
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, cudawait::copy(b.dev, up, o));
     std::vector<u32> seen(n, 0);
     ASSERT_EQ(cudaMemcpy(seen.data(), b.dev.data(), n * sizeof(u32), cudaMemcpyDeviceToHost),
               cudaSuccess);
-    EXPECT_EQ(seen, up);
+    for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(seen[i], up[i]) << "device word " << i;
+    }
+}
+
+// With the default options a small D2H copy into page-locked memory on the lane goes by the SMs
+// while a bulk D2H copy of the device runs and completes before it; with the bulk lane idle, or
+// busy_sm_copy_bytes 0, or for a copy to the device, a copy engine makes it. It is the process's
+// first SM copy: the lanes loaded the kernel when they were made, so the copy does not wait for
+// a loading that waits for the bulk copy.
+TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_runs) {
+    beside_bulk b(0x3c, 74);
+    cudawait::pinned_buffer<u32> back(beside_bulk::n);
+    small_d2h_copies_beside_bulk(b, back, 0x3c);
+
+    const auto up = random_words(beside_bulk::n, 75);
+    cudawait::pinned_buffer<u32> src(beside_bulk::n);
+    std::copy(up.begin(), up.end(), src.data());
+    const unsigned long long made = sm_copies();
+    small_h2d_copy(b, src, {});
+    EXPECT_EQ(sm_copies(), made) << "an H2D copy goes by a copy engine, beside bulk work too";
+    bulk_d2h().sync();
+}
+
+// The same for pageable memory: a small D2H copy into a std::vector beside the bulk copy goes
+// through a pinned block that the SMs fill, and completes while the bulk copy runs (a copy engine
+// would have queued it behind the 1 GiB). With sm_copy_bytes set, a small pageable H2D copy goes
+// by the SMs too (staged into its block, then copied by the SMs).
+TEST_F(copy_lane_gpu, a_small_pageable_copy_goes_by_the_sms_through_its_pinned_block) {
+    beside_bulk b(0x6b, 78);
+    std::vector<u32> back(beside_bulk::n);
+    small_d2h_copies_beside_bulk(b, back, 0x6b);
+    bulk_d2h().sync();
+
+    const auto up = random_words(beside_bulk::n, 79);
+    cudawait::copy_options by_sms;
+    by_sms.sm_copy_bytes = 64_KiB;
+    const unsigned long long made = sm_copies();
+    small_h2d_copy(b, up, by_sms);
+    EXPECT_EQ(sm_copies(), made + 1) << "the H2D copy was not made by the SMs";
 }
 
 // A pipeline notes its work: while a chunk's D2H waits for its stage (then a kernel held on a

@@ -61,7 +61,9 @@
 // options.sm_copy_bytes set, every small-lane copy of at most that many bytes between device
 // memory and page-locked host memory, either way, is made by the kernel. It is loaded once per
 // process and device from PTX text (no nvcc needed in the user's build) when the lanes or a
-// pipeline are made; other copies are unaffected.
+// pipeline are made; other copies are unaffected. A small-lane copy with pageable memory on one
+// side (a std::vector) is chosen the same way for its pinned block: the SMs copy between the
+// device and the block, and a host memcpy between the block and the vector.
 
 #include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
@@ -358,11 +360,49 @@ bool by_the_sms(const copy_plan& plan, const copy_options& opt) {
            bulk_streams::instance().pending(plan.src_device);
 }
 
+/// A small-lane copy with pageable memory on one side (`plan.staged()`): through one pinned
+/// block from the pool, the device side copied by the SMs where by_the_sms would send the same
+/// copy of page-locked memory there (a D2H copy beside bulk D2H work), so that it does not queue
+/// behind a bulk chunk on a copy engine; else as copy_task.
+template <class = void>
+task<void> small_lane_staged_copy(copy_plan plan, stream_ref s, copy_options opt) {
+    const bool to_device = plan.to_device();
+    copy_plan via = plan;
+    (to_device ? via.src_kind : via.dst_kind) = memory_kind::pinned;
+    if (by_the_sms(via, opt)) {
+        pinned_pool& pool = staging_pool(opt);
+        pinned_buffer<std::byte> block(plan.bytes, pool);
+        if (to_device) {
+            via.src = block.data();
+            via.src_pool = &pool;
+        } else {
+            via.dst = block.data();
+            via.dst_pool = &pool;
+        }
+        if (const std::optional<sm_copy_route> r = sm_route(via)) {
+            if (to_device) {
+                stage_in(block.data(), plan.src, plan.bytes, 0);
+            }
+            enqueue_by_the_sms(via, *r, s);
+            co_await s;
+            if (!to_device) {
+                stage_out(plan.dst, block.data(), plan.bytes, 0);
+            }
+            co_return;
+        }
+    }
+    co_await copy_task(plan, s, opt);
+}
+
 /// A copy on the small lane (its stream `s`): through the SMs where by_the_sms says so and the
-/// memory allows it, else as copy_task. Decided when awaited, so that it sees the bulk work
-/// enqueued by then.
+/// memory allows it (pageable memory through a pinned block: small_lane_staged_copy), else as
+/// copy_task. Decided when awaited, so that it sees the bulk work enqueued by then.
 template <class = void>
 task<void> small_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
+    if (plan.staged()) {
+        co_await small_lane_staged_copy(plan, s, opt);
+        co_return;
+    }
     if (by_the_sms(plan, opt)) {
         if (const std::optional<sm_copy_route> r = sm_route(plan)) {
             enqueue_by_the_sms(plan, *r, s);
@@ -370,12 +410,8 @@ task<void> small_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
             co_return;
         }
     }
-    if (!plan.staged()) {
-        enqueue_direct(plan, s);
-        co_await s;
-        co_return;
-    }
-    co_await copy_task(plan, s, opt);
+    enqueue_direct(plan, s);
+    co_await s;
 }
 
 /// A copy on the bulk lane (its stream `s`), as copy_task; the D2H stream's work is noted first
