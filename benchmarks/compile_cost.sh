@@ -3,8 +3,11 @@
 # What cudawait's headers cost each translation unit that includes them, under nvcc and g++.
 #   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu | --memory | --instructions]
 #                              [--only nvcc|g++]
-#     --runs N     best of N wall times per compile (default 3); the runs are interleaved, so
-#                  load from other work on the machine spreads over every subject alike
+#     --runs N     N rounds (default 4); a round compiles every TU once, each subject next to its
+#                  floor (the subject first in odd rounds, the floor first in even ones: on a
+#                  2-core VM the second compile of a pair ran 10-20% slower, so N should be
+#                  even). The seconds are the best of N; the ratio is the median of the N
+#                  rounds' own ratios, so load that comes and goes moves a round's pair alike
 #     --headers    also time each public header on its own (nccl.hpp only where nccl.h is found)
 #     --cpu        CPU seconds (user + system) instead of wall seconds: steadier on a busy machine
 #     --memory     g++ only: MB its front end allocates (-ftime-report's TOTAL), which does not
@@ -25,11 +28,11 @@
 set -euo pipefail
 
 usage() {
-    sed -n '3,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '3,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
-runs=3
+runs=4
 per_header=0
 clock=wall
 compilers=(nvcc g++)
@@ -188,7 +191,9 @@ fi
 printf '#include <coroutine>\n#include <cuda_runtime.h>\nint main() {}\n' >"${work}/reference.cpp"
 cp "${work}/reference.cpp" "${work}/reference.cu"
 
-declare -A best
+declare -A best last
+# ratios[COMPILER/SUBJECT]: the rounds' own ratios, space-separated (wall and CPU clocks).
+declare -A ratios
 # now VAR: sets VAR to the wall clock, or to the CPU seconds the finished children of this
 # shell have used (`times` in this shell: in a $(...) subshell it would see none).
 now() {
@@ -239,39 +244,54 @@ timed() {
     fi
     now end
     seconds="$(awk -v s="${start}" -v e="${end}" 'BEGIN { printf "%.3f", e - s }')"
+    last["${key}"]="${seconds}"
     if [[ -z "${best[${key}]:-}" ]] ||
         awk -v a="${seconds}" -v b="${best[${key}]}" 'BEGIN { exit !(a < b) }'; then
         best["${key}"]="${seconds}"
     fi
 }
 
+# compile_all ROUND: every TU once; for each compiler a subject next to its floor, the subject
+# first in odd rounds. Keeps the round's ratio of each subject to its floor.
 compile_all() {
-    local name tu
+    local round="$1" name tu compiler order
     for name in "${subjects[@]}" reference; do
-        for tu in "${name}" "${name}_floor"; do
-            [[ -e "${work}/${tu}.cpp" ]] || continue
-            if [[ " ${compilers[*]} " == *" nvcc "* ]]; then
-                # shellcheck disable=SC2086 # extra flags are words
-                timed "nvcc/${tu}" "${nvcc}" "${nvcc_flags[@]}" ${extra[${name}]:-} -c \
-                    "${work}/${tu}.cu" -o "${work}/out.o"
-            fi
-            if [[ " ${compilers[*]} " == *" g++ "* ]]; then
-                # shellcheck disable=SC2086
-                timed "g++/${tu}" "${cxx}" "${cxx_flags[@]}" ${extra[${name}]:-} -c \
-                    "${work}/${tu}.cpp" -o "${work}/out.o"
+        order=("${name}" "${name}_floor")
+        ((round % 2 == 0)) && order=("${name}_floor" "${name}")
+        for compiler in "${compilers[@]}"; do
+            for tu in "${order[@]}"; do
+                [[ -e "${work}/${tu}.cpp" ]] || continue
+                if [[ "${compiler}" == nvcc ]]; then
+                    # shellcheck disable=SC2086 # extra flags are words
+                    timed "nvcc/${tu}" "${nvcc}" "${nvcc_flags[@]}" ${extra[${name}]:-} -c \
+                        "${work}/${tu}.cu" -o "${work}/out.o"
+                else
+                    # shellcheck disable=SC2086
+                    timed "g++/${tu}" "${cxx}" "${cxx_flags[@]}" ${extra[${name}]:-} -c \
+                        "${work}/${tu}.cpp" -o "${work}/out.o"
+                fi
+            done
+            if [[ -e "${work}/${name}_floor.cpp" && ("${clock}" == wall || "${clock}" == cpu) ]]; then
+                ratios["${compiler}/${name}"]+="$(awk -v a="${last[${compiler}/${name}]:-0}" \
+                    -v b="${last[${compiler}/${name}_floor]:-1}" 'BEGIN { printf "%.4f ", a / b }')"
             fi
         done
     done
 }
 
 for ((run = 1; run <= runs; ++run)); do
-    compile_all
+    compile_all "${run}"
 done
 
 unit="${clock} seconds"
 [[ "${clock}" == memory ]] && unit="MB allocated by the front end"
 [[ "${clock}" == instructions ]] && unit="billions of instructions executed (callgrind)"
-echo "cudawait compile cost: best of ${runs}, ${unit}, per TU ($(nproc) cores)"
+if [[ "${clock}" == wall || "${clock}" == cpu ]]; then
+    echo "cudawait compile cost: best of ${runs}, ${unit}, per TU ($(nproc) cores); ratio: the" \
+        "median of the ${runs} rounds' own ratios"
+else
+    echo "cudawait compile cost: ${unit}, per TU ($(nproc) cores)"
+fi
 echo "  nvcc: $("${nvcc}" --version | sed -n '$p'): ${nvcc_flags[*]}"
 echo "  g++:  $("${cxx}" --version | sed -n 1p): ${cxx_flags[*]}"
 echo "floor = the standard, system and CUDA headers the subject's cudawait headers include"
@@ -285,7 +305,14 @@ for compiler in "${compilers[@]}"; do
         esac
         with="${best[${compiler}/${name}]}"
         without="${best[${compiler}/${name}_floor]}"
-        ratio="$(awk -v a="${with}" -v b="${without}" 'BEGIN { printf "%.2f", a / b }')"
+        if [[ -n "${ratios[${compiler}/${name}]:-}" && "${clock}" != memory &&
+            "${clock}" != instructions ]]; then
+            ratio="$(tr ' ' '\n' <<<"${ratios[${compiler}/${name}]}" | sed '/^$/d' | sort -g |
+                awk '{ v[NR] = $1 } END {
+                    printf "%.2f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+        else
+            ratio="$(awk -v a="${with}" -v b="${without}" 'BEGIN { printf "%.2f", a / b }')"
+        fi
         met=""
         if [[ -n "${target}" ]]; then
             met="$(awk -v r="${ratio}" -v t="${target}" 'BEGIN { print (r <= t ? "ok" : "over") }')"
@@ -297,6 +324,14 @@ for compiler in "${compilers[@]}"; do
         "-"
 done
 echo "reference: <coroutine> + <cuda_runtime.h> only; coroutine: task.hpp + scheduler.hpp"
+if [[ "${clock}" == wall || "${clock}" == cpu ]]; then
+    for compiler in "${compilers[@]}"; do
+        for name in umbrella coroutine; do
+            echo "  rounds' ratios, ${compiler} ${name}: $(awk '{
+                for (i = 1; i <= NF; ++i) printf "%.2f ", $i }' <<<"${ratios[${compiler}/${name}]}")"
+        done
+    done
+fi
 echo "floor headers (umbrella): $(grep -c '^#include' "${work}/umbrella_floor.cpp"), with" \
     "$(grep '^#define' "${work}/umbrella_floor.cpp" | awk '{ print $2 }' | tr '\n' ' ')defined:"
 grep '^#include' "${work}/umbrella_floor.cpp" | sed 's/#include //' | tr '\n' ' ' | fold -s -w 98 |
