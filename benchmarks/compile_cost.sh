@@ -192,8 +192,11 @@ printf '#include <coroutine>\n#include <cuda_runtime.h>\nint main() {}\n' >"${wo
 cp "${work}/reference.cpp" "${work}/reference.cu"
 
 declare -A best last
-# ratios[COMPILER/SUBJECT]: the rounds' own ratios, space-separated (wall and CPU clocks).
+# ratios[COMPILER/SUBJECT]: the rounds' own ratios, space-separated; kept for the clocks that
+# vary from round to round (wall and CPU), where `paired` is 1.
 declare -A ratios
+paired=0
+[[ "${clock}" == wall || "${clock}" == cpu ]] && paired=1
 # now VAR: sets VAR to the wall clock, or to the CPU seconds the finished children of this
 # shell have used (`times` in this shell: in a $(...) subshell it would see none).
 now() {
@@ -271,7 +274,7 @@ compile_all() {
                         "${work}/${tu}.cpp" -o "${work}/out.o"
                 fi
             done
-            if [[ -e "${work}/${name}_floor.cpp" && ("${clock}" == wall || "${clock}" == cpu) ]]; then
+            if ((paired)) && [[ -e "${work}/${name}_floor.cpp" ]]; then
                 ratios["${compiler}/${name}"]+="$(awk -v a="${last[${compiler}/${name}]:-0}" \
                     -v b="${last[${compiler}/${name}_floor]:-1}" 'BEGIN { printf "%.4f ", a / b }')"
             fi
@@ -286,7 +289,7 @@ done
 unit="${clock} seconds"
 [[ "${clock}" == memory ]] && unit="MB allocated by the front end"
 [[ "${clock}" == instructions ]] && unit="billions of instructions executed (callgrind)"
-if [[ "${clock}" == wall || "${clock}" == cpu ]]; then
+if ((paired)); then
     echo "cudawait compile cost: best of ${runs}, ${unit}, per TU ($(nproc) cores); ratio: the" \
         "median of the ${runs} rounds' own ratios"
 else
@@ -305,8 +308,7 @@ for compiler in "${compilers[@]}"; do
         esac
         with="${best[${compiler}/${name}]}"
         without="${best[${compiler}/${name}_floor]}"
-        if [[ -n "${ratios[${compiler}/${name}]:-}" && "${clock}" != memory &&
-            "${clock}" != instructions ]]; then
+        if ((paired)); then
             ratio="$(tr ' ' '\n' <<<"${ratios[${compiler}/${name}]}" | sed '/^$/d' | sort -g |
                 awk '{ v[NR] = $1 } END {
                     printf "%.2f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
@@ -324,7 +326,7 @@ for compiler in "${compilers[@]}"; do
         "-"
 done
 echo "reference: <coroutine> + <cuda_runtime.h> only; coroutine: task.hpp + scheduler.hpp"
-if [[ "${clock}" == wall || "${clock}" == cpu ]]; then
+if ((paired)); then
     for compiler in "${compilers[@]}"; do
         for name in umbrella coroutine; do
             echo "  rounds' ratios, ${compiler} ${name}: $(awk '{
