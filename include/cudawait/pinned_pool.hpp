@@ -843,8 +843,11 @@ public:
     [[nodiscard]] pinned_pool_resource resource() noexcept;
 
 private:
-    using heap = detail::block_heap<detail::pool_block_extra>;
-    using block = heap::block;
+    // Dependent, so that the heap's class and the members the pool calls are instantiated with
+    // the pool, not in every translation unit that includes this header (nvcc's front end
+    // instantiates them where a template names them non-dependently).
+    using heap = detail::block_heap<detail::dependent_t<Unused, detail::pool_block_extra>>;
+    using block = typename heap::block;
 
     static constexpr std::size_t slab_alignment = 2_MiB;
     static constexpr std::size_t max_request = std::size_t{1} << 46;
@@ -1147,14 +1150,14 @@ private:
     // upstream is called without it.
     std::size_t release_unused(std::unique_lock<std::mutex>& lock) {
         std::vector<std::pair<void*, std::size_t>> slabs;
-        std::vector<heap::region*> unused;
+        std::vector<typename heap::region*> unused;
         for (const auto& r : m_heap.regions()) {
             if (heap::region_unused(r.get())) {
                 unused.push_back(r.get());
             }
         }
         slabs.reserve(unused.size());
-        for (heap::region* r : unused) {
+        for (typename heap::region* r : unused) {
             slabs.emplace_back(r->base, r->bytes);
             m_reserved -= r->bytes;
             m_heap.remove_region(r);

@@ -884,7 +884,7 @@ private:
         auto now = clock::now();
         while (!m_timers.empty() && m_timers.front()->deadline <= now) {
             std::pop_heap(m_timers.begin(), m_timers.end(), timer_later{});
-            std::unique_ptr<detail::timer_node> t(m_timers.back());
+            std::unique_ptr<dependent_t<Unused, detail::timer_node>> t(m_timers.back());
             m_timers.pop_back();
             if (t->cancelled) {
                 continue;

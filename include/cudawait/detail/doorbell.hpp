@@ -62,7 +62,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -96,8 +95,8 @@ public:
     ~basic_doorbell_gate() {
         if (m_stamp.inherited()) {
             // The parent's thread does not exist here, and its mutex may have been held at the
-            // fork: leave both.
-            (void)m_thread.release();
+            // fork: leave both (the std::thread object is leaked: destroying it would terminate).
+            m_thread = nullptr;
             return;
         }
         stop();
@@ -153,7 +152,8 @@ public:
         }
         m_cv.notify_one();
         m_thread->join();
-        m_thread.reset();
+        delete m_thread;
+        m_thread = nullptr;
     }
 
 private:
@@ -167,7 +167,7 @@ private:
         try {
             std::lock_guard lock(m_mutex);
             if (!m_thread) {
-                m_thread = std::make_unique<std::thread>([this] { backstop_loop(); });
+                m_thread = new std::thread([this] { backstop_loop(); });
             }
             ++m_round;
             m_armed = true;
@@ -214,7 +214,11 @@ private:
     std::atomic<std::uint64_t> m_backstop_rings{0};
     std::mutex m_mutex;
     std::condition_variable m_cv;
-    std::unique_ptr<std::thread> m_thread; ///< the backstop, started by the first block()
+    /// The backstop, started by the first block(); owned (deleted by stop()). A plain pointer,
+    /// not a std::unique_ptr: the scheduler's class holds this class, and nvcc's front end
+    /// instantiates a std::unique_ptr member's class in every translation unit that includes
+    /// the scheduler, at a cost of 2-3 MB of its memory each.
+    std::thread* m_thread = nullptr;
     std::uint64_t m_round = 0;
     clock::time_point m_deadline{};
     bool m_armed = false;   ///< the owner is blocked (or about to be) in round m_round

@@ -324,11 +324,9 @@ private:
     std::size_t m_give_ups = 0;
 };
 
-/// Stage timing, alerts and statistics of one pipeline. (Its members are those of
-/// basic_pipeline_monitor.)
-class pipeline_monitor : public basic_pipeline_monitor<> {
-public:
-    using basic_pipeline_monitor<>::basic_pipeline_monitor;
-};
+/// Stage timing, alerts and statistics of one pipeline. An alias, not a class of its own: the
+/// pipelines name it dependently, so only a translation unit that instantiates a pipeline
+/// instantiates the monitor's class.
+using pipeline_monitor = basic_pipeline_monitor<>;
 
 } // namespace cudawait::detail

@@ -341,7 +341,7 @@ struct pipeline_core {
             enqueue_graph(f, sl, src, dst, t);
             return;
         }
-        using m = pipeline_monitor;
+        using m = dependent_t<In, pipeline_monitor>;
         // With stage_streams, compute[k] is stage k's stream, and stage 0 starts the chunk there.
         stream_ref cs = options.stage_streams
                             ? stream_ref(compute.front())
@@ -511,7 +511,7 @@ struct pipeline_core {
     /// small copy of the device's lane goes by the SMs while they are busy (copy.hpp). Declared
     /// after them: it goes first.
     bulk_stream_registration bulk_registration;
-    pipeline_monitor monitor;
+    dependent_t<In, pipeline_monitor> monitor;
     /// The copies of runs with views (flight::views), their arrays kept between runs.
     copy_batch copies;
     /// Events of chunks given up while their work may still complete: out of the pool until
@@ -689,7 +689,7 @@ private:
     // The slot's graph is built with the first full chunk's host pointers; later chunks set
     // theirs.
     void enqueue_graph(flight& f, slot& sl, const In* src, Out* dst, std::vector<event>* t) {
-        using m = pipeline_monitor;
+        using m = dependent_t<In, pipeline_monitor>;
         trace_range r("graph", f.chunk);
         if (!sl.graph) {
             sl.graph.build(sl.dev_in.data(), src, f.count * sizeof(In), dst, sl.dev_out.data(),
