@@ -53,7 +53,6 @@
 #include <cudawait/detail/sm_copy.hpp>
 
 #include <cstddef>
-#include <memory>
 #include <mutex>
 #include <string_view>
 #include <vector>
@@ -122,7 +121,7 @@ public:
         if (!r.lanes[id]) {
             // A throw leaves the slot empty (the streams made so far are destroyed), so that a
             // later call tries again.
-            r.lanes[id].reset(new copy_lanes(dev));
+            r.lanes[id] = new copy_lanes(dev);
         }
         return *r.lanes[id];
     }
@@ -147,7 +146,9 @@ private:
     struct registry {
         std::mutex mutex;
         detail::fork_stamp stamp; ///< the process whose CUDA context owns the streams
-        std::vector<std::unique_ptr<copy_lanes>> lanes;
+        /// By device id. Never deleted (as the registry); plain pointers, because a vector of
+        /// std::unique_ptr here would be instantiated in every translation unit.
+        std::vector<copy_lanes*> lanes;
 
         static registry& instance() {
             static registry* r = new registry();

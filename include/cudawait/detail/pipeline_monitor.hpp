@@ -310,17 +310,23 @@ private:
         double d2h;
     };
 
+    // The containers' types are named dependently (dep<T>): a translation unit that includes
+    // the pipeline without running one then does not instantiate them (nvcc's front end
+    // instantiates the non-dependent member types of a class template where it is defined).
+    template <class T>
+    using dep = dependent_t<Unused, T>;
+
     const pipeline_options* m_options;
-    std::vector<std::vector<event>> m_timing; // per chunk in flight, indexed by `mark`
+    dep<std::vector<std::vector<event>>> m_timing; // per chunk in flight, indexed by `mark`
     std::size_t m_timing_seq = 0;
-    std::vector<window_entry> m_window;
-    std::optional<event> m_anchor; ///< with timing: the origin of m_spans, recorded per run
-    std::optional<stream> m_anchor_stream;
-    std::vector<span_entry> m_spans;
+    dep<std::vector<window_entry>> m_window;
+    dep<std::optional<event>> m_anchor; ///< with timing: the origin of m_spans, recorded per run
+    dep<std::optional<stream>> m_anchor_stream;
+    dep<std::vector<span_entry>> m_spans;
     pipeline_stats m_stats;
     double m_link_peak = 0;
     latency_window m_latency;
-    std::vector<chunk_failure> m_failures;
+    dep<std::vector<chunk_failure>> m_failures;
     std::size_t m_give_ups = 0;
 };
 
