@@ -292,6 +292,82 @@ TEST(scheduler, exceptions_from_posted_functions_reach_run) {
     EXPECT_THROW(s.run(), std::domain_error);
 }
 
+// A hand-off from another thread (sync_wait's root ending there, a detached task ending there)
+// lets the loop finish; the scheduler may be destroyed the moment it returns, while the other
+// thread is still inside its hand-off. Under AddressSanitizer or ThreadSanitizer a hand-off that
+// touches the scheduler after publishing its work is reported here within a fraction of a second.
+TEST(scheduler, may_be_destroyed_as_soon_as_a_task_ending_on_another_thread_returns) {
+    scheduler other;
+    std::stop_source stop;
+    std::jthread driver([&] { other.run(stop.get_token()); });
+    const auto until = clock_type::now() + 1500ms;
+    int rounds = 0;
+    int hopped = 0;
+    for (; rounds < 200000 && clock_type::now() < until; ++rounds) {
+        auto* s = new scheduler;
+        hopped += sync_wait(*s, [&]() -> task<int> {
+            co_await other.schedule();
+            co_return 1;
+        }());
+        delete s;
+    }
+    stop.request_stop();
+    EXPECT_EQ(hopped, rounds);
+    EXPECT_GT(rounds, 100);
+}
+
+TEST(scheduler, may_be_destroyed_as_soon_as_run_returns_after_detached_work_ended_elsewhere) {
+    scheduler other;
+    std::stop_source stop;
+    std::jthread driver([&] { other.run(stop.get_token()); });
+    const auto until = clock_type::now() + 1500ms;
+    int rounds = 0;
+    std::atomic<int> ended{0};
+    for (; rounds < 200000 && clock_type::now() < until; ++rounds) {
+        auto* s = new scheduler;
+        // Parameters, not captures: the lambda object is gone before the task runs.
+        s->spawn([](scheduler& there, std::atomic<int>& count) -> task<> {
+            co_await there.schedule();
+            count.fetch_add(1);
+        }(other, ended));
+        s->run();
+        delete s;
+    }
+    stop.request_stop();
+    EXPECT_EQ(ended.load(), rounds);
+    EXPECT_GT(rounds, 100);
+}
+
+// An awaitable whose move throws: spawn's copy of it fails before anything runs.
+struct throws_when_moved {
+    throws_when_moved() = default;
+    throws_when_moved(throws_when_moved&&) { throw std::length_error("moved"); }
+    bool await_ready() const noexcept { return true; }
+    void await_suspend(std::coroutine_handle<>) const noexcept {}
+    int await_resume() const noexcept { return 1; }
+};
+
+TEST(scheduler, a_spawn_that_throws_leaves_nothing_for_run_to_wait_for) {
+    auto* s = new scheduler;
+    EXPECT_THROW(s->spawn(throws_when_moved{}), std::length_error);
+    EXPECT_EQ(s->pending().detached, 0u);
+    // run() returns: nothing is pending.
+    auto returned = std::make_shared<std::atomic<bool>>(false);
+    std::thread runner([s, returned] {
+        s->run();
+        *returned = true;
+    });
+    for (int i = 0; i < 200 && !*returned; ++i) {
+        std::this_thread::sleep_for(5ms);
+    }
+    if (!*returned) {
+        runner.detach(); // left running (and the scheduler leaked): the test has failed
+        FAIL() << "run() waits for a spawn that never started";
+    }
+    runner.join();
+    delete s;
+}
+
 TEST(scheduler, non_task_coroutines_can_await_through_the_scheduler) {
     // A bare coroutine type of the user's own, not derived from the library's promise.
     struct bare {

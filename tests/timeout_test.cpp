@@ -118,6 +118,33 @@ TEST(timeout, with_timeout_of_work_that_finishes_on_another_thread) {
     stop.request_stop();
 }
 
+// The outcome handed back from the other thread is the last thing keeping `home` busy: `home`
+// may be destroyed as soon as sync_wait returns, while that thread may still be in its hand-off
+// (AddressSanitizer and ThreadSanitizer see a hand-off that touches `home` after publishing).
+TEST(timeout, the_scheduler_may_go_as_soon_as_work_finished_on_another_thread_was_handed_back) {
+    scheduler away;
+    std::stop_source stop;
+    std::jthread driver([&] { away.run(stop.get_token()); });
+    const auto until = clock_type::now() + 1500ms;
+    int rounds = 0;
+    int sum = 0;
+    for (; rounds < 100000 && clock_type::now() < until; ++rounds) {
+        auto* home = new scheduler;
+        sum += sync_wait(*home, [](scheduler& there) -> task<int> {
+            co_return co_await with_timeout(
+                [](scheduler& t) -> task<int> {
+                    co_await t.schedule();
+                    co_return 2;
+                }(there),
+                5s);
+        }(away));
+        delete home;
+    }
+    stop.request_stop();
+    EXPECT_EQ(sum, 2 * rounds);
+    EXPECT_GT(rounds, 100);
+}
+
 // Every form with_timeout documents compiles, with the documented result; a task variable has to
 // be moved in (it runs on after a timeout, so the caller gives it up).
 template <class A>

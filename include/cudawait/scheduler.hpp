@@ -193,6 +193,9 @@ struct wait_node {
 struct stream_fifo {
     cudaStream_t stream = nullptr;
     int device = 0;
+    /// `stream` is 0, cudaStreamLegacy or cudaStreamPerThread: a handle that names a different
+    /// stream on each device, kept apart by `device` (and not in the by-handle map).
+    bool per_device = false;
     wait_node* head = nullptr;
     wait_node* tail = nullptr;
     /// Completed events of this stream, recorded on it again first: re-recording an event on
@@ -265,8 +268,8 @@ public:
     ~basic_scheduler() {
         try {
             run_until([this] {
-                return !has_gpu_waits() && m_ready.empty() && m_children == 0 &&
-                       !m_has_remote.load();
+                return !has_gpu_waits() && m_ready.empty() && m_stalled.empty() &&
+                       m_children == 0 && !m_has_remote.load();
             });
         } catch (const std::exception& e) {
             std::fprintf(stderr, "cudawait: scheduler drain failed: %s\n", e.what());
@@ -277,6 +280,9 @@ public:
                          "tasks still suspended; they will not be resumed\n",
                          m_live_timers, m_detached.load());
         }
+        // A thread that handed work over (post, wake, a finished detached task) does all it does
+        // to this scheduler under m_remote_mutex: once this lock is had, none is still inside.
+        { std::lock_guard lock(m_remote_mutex); }
         for (detail::timer_node* t : m_timers) {
             delete t;
         }
@@ -298,26 +304,31 @@ public:
     /// Runs `fn` on the scheduler's thread. Thread-safe. An exception from `fn` is kept and
     /// rethrown by the next `run()`.
     void post(std::function<void()> fn) {
-        {
-            std::lock_guard lock(m_remote_mutex);
-            m_remote.push_back(std::move(fn));
-            m_has_remote.store(true); // sequentially consistent: see doorbell_wait
-        }
-        m_remote_cv.notify_one();
-        m_doorbell.ring_if_blocked();
+        signal([this, &fn] { m_remote.push_back(std::move(fn)); });
     }
-    /// Makes a waiting loop re-check its stop condition. Thread-safe.
-    void wake() { post(std::function<void()>{}); }
+    /// Makes a waiting loop re-check its stop condition. Thread-safe; allocates nothing.
+    void wake() noexcept {
+        signal([] {});
+    }
 
     /// Starts `work` (a task or any awaitable) on this scheduler, detached. Its exception, if
     /// any, is rethrown by the next `run()`. Thread-safe.
     template <class A>
     void spawn(A&& work) {
         using R = detail::awaited_t<A>;
-        m_detached.fetch_add(1, std::memory_order_relaxed);
         auto d = detail::run_detached<R>(std::forward<A>(work), detached_sink{this});
         d.handle().promise().set_scheduler(self());
-        post(std::coroutine_handle<>(d.handle()));
+        // Counted as the post publishes it, so that a failed post (or frame allocation) leaves
+        // no count behind that run() would wait for.
+        try {
+            signal([this, &d] {
+                m_remote.push_back([h = std::coroutine_handle<>(d.handle())] { h.resume(); });
+                m_detached.fetch_add(1, std::memory_order_relaxed);
+            });
+        } catch (...) {
+            d.handle().destroy();
+            throw;
+        }
     }
 
     /// Drives the loop until no work is left: nothing ready, no GPU wait, no timer and no
@@ -412,8 +423,9 @@ private:
     bool add_wait(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
                   const char*& api) noexcept {
         if (!on_loop_thread()) {
-            // Recorded on the loop thread: that captures at least the work enqueued so far.
-            return post_add_wait(s, h, status, api);
+            // Recorded here, on the awaiting thread: its current device and its per-thread
+            // stream are what the handle names (the loop thread's may differ).
+            return add_stream_wait_foreign(s, h, status, api);
         }
         try {
             return add_stream_wait_local(s, h, status, api);
@@ -490,6 +502,12 @@ private:
                 out.push_back(f->device);
             }
         }
+        for (const detail::wait_node* n : m_event_waits) {
+            if (n->device >= 0 && n->status != &m_orphan_status &&
+                std::find(out.begin(), out.end(), n->device) == out.end()) {
+                out.push_back(n->device);
+            }
+        }
     }
     /// The streams of `dev` with pending awaits, and how many awaits are pending on them.
     std::size_t pending_on(int dev, std::vector<cudaStream_t>& streams) const {
@@ -503,33 +521,40 @@ private:
                 }
             }
         }
+        for (const detail::wait_node* n : m_event_waits) {
+            waits += n->device == dev && n->status != &m_orphan_status ? 1 : 0;
+        }
         return waits;
     }
-    /// Resumes every coroutine awaiting a stream of `dev`, its await throwing stall_error. The
-    /// events stay queued until the GPU completes them (so nothing it may still touch is reused)
-    /// and are then recycled without resuming anyone. Returns how many awaits it failed.
+    /// Fails every await of a stream of `dev`: each coroutine resumes at the loop's next step,
+    /// its await throwing stall_error. Not resumed here: the caller (a watchdog's timer) may be
+    /// owned by one of them. The events stay queued until the GPU completes them (so nothing it
+    /// may still touch is reused) and are then recycled without resuming anyone. Returns how many
+    /// awaits it failed.
     std::size_t fail_waits_on(int dev, std::chrono::nanoseconds stalled_for) {
-        std::vector<std::coroutine_handle<>> failed;
-        for (detail::stream_fifo* f : m_active) {
-            if (f->device != dev) {
-                continue;
+        const std::size_t before = m_stalled.size();
+        auto fail_node = [&](detail::wait_node* n) {
+            if (n->status != &m_orphan_status) {
+                m_stalled.push_back({n->waiter, {dev, stalled_for}});
+                // Never a completion's status: the polls keep NotReady nodes queued.
+                *n->status = cudaErrorNotReady;
+                n->status = &m_orphan_status;
+                n->waiter = std::noop_coroutine();
             }
-            for (detail::wait_node* n = f->head; n != nullptr; n = n->next) {
-                if (n->status != &m_orphan_status) {
-                    failed.push_back(n->waiter);
-                    // Never a completion's status: poll_streams keeps NotReady nodes queued.
-                    *n->status = cudaErrorNotReady;
-                    n->status = &m_orphan_status;
-                    n->waiter = std::noop_coroutine();
+        };
+        for (detail::stream_fifo* f : m_active) {
+            if (f->device == dev) {
+                for (detail::wait_node* n = f->head; n != nullptr; n = n->next) {
+                    fail_node(n);
                 }
             }
         }
-        // Resumed here, one after the other, so that each reads this device's record.
-        for (std::coroutine_handle<> h : failed) {
-            m_stall = {dev, stalled_for};
-            h.resume();
+        for (detail::wait_node* n : m_event_waits) {
+            if (n->device == dev) { // a stream wait recorded off the loop thread
+                fail_node(n);
+            }
         }
-        return failed.size();
+        return m_stalled.size() - before;
     }
     /// What the last wait fail_waits_on resumed throws.
     [[nodiscard]] const detail::stall_record& last_stall() const noexcept { return m_stall; }
@@ -551,6 +576,18 @@ private:
     /// member is instantiated, after `scheduler` is complete).
     [[nodiscard]] scheduler* self() noexcept { return static_cast<scheduler*>(this); }
 
+    /// Publishes a change that may let the loop finish (`change()`, run under m_remote_mutex) and
+    /// wakes the loop, touching nothing of the scheduler after the lock is released: the loop
+    /// may return and the scheduler be destroyed at once (its destructor takes the lock last).
+    template <class Change>
+    void signal(Change&& change) {
+        std::lock_guard lock(m_remote_mutex);
+        change();
+        m_has_remote.store(true); // sequentially consistent: see doorbell_wait
+        m_remote_cv.notify_one();
+        m_doorbell.ring_if_blocked();
+    }
+
     struct detached_sink {
         basic_scheduler* self;
         template <class R>
@@ -561,10 +598,8 @@ private:
                     self->m_detached_error = r.exception();
                 }
             }
-            self->m_detached.fetch_sub(1, std::memory_order_release);
-            if (!self->on_loop_thread()) {
-                self->wake();
-            }
+            // The last thing this sink does to the scheduler, under its lock (see signal).
+            self->signal([s = self] { s->m_detached.fetch_sub(1, std::memory_order_release); });
         }
     };
 
@@ -593,10 +628,30 @@ private:
         return n;
     }
 
+    /// 0, cudaStreamLegacy and cudaStreamPerThread name the calling thread's stream of its
+    /// current device: one handle, a different stream per device (and per thread).
+    [[nodiscard]] static bool names_stream_per_device(cudaStream_t s) noexcept {
+        return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
+    }
+
     bool add_stream_wait_local(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
                                const char*& api) {
         detail::stream_fifo* f = nullptr;
-        if (m_last_fifo != nullptr && m_last_fifo->stream == s) {
+        if (names_stream_per_device(s)) {
+            int dev = 0;
+            if (cudaError_t st = cudaGetDevice(&dev); st != cudaSuccess) {
+                return fail(status, api, st, "cudaGetDevice");
+            }
+            for (detail::stream_fifo* a : m_active) {
+                if (a->per_device && a->stream == s && a->device == dev) {
+                    f = a;
+                    break;
+                }
+            }
+            if (f == nullptr) {
+                f = new_fifo(s, dev, true);
+            }
+        } else if (m_last_fifo != nullptr && m_last_fifo->stream == s) {
             f = m_last_fifo;
         } else if (auto it = m_by_stream.find(s); it != m_by_stream.end()) {
             f = it->second;
@@ -605,7 +660,7 @@ private:
             if (cudaError_t st = cudaStreamGetDevice(s, &dev); st != cudaSuccess) {
                 return fail(status, api, st, "cudaStreamGetDevice");
             }
-            f = new_fifo(s, dev);
+            f = new_fifo(s, dev, false);
         }
         m_last_fifo = f;
         detail::wait_node* n = new_node();
@@ -639,6 +694,53 @@ private:
         return true;
     }
 
+    /// add_wait(stream) off the loop thread: the event is recorded here and only its
+    /// bookkeeping is posted. It joins the user events' list (each queried on its own), not the
+    /// stream's FIFO, whose order the loop thread's own records define.
+    bool add_stream_wait_foreign(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
+                                 const char*& api) noexcept {
+        int dev = 0;
+        const bool per_device = names_stream_per_device(s);
+        if (cudaError_t st = per_device ? cudaGetDevice(&dev) : cudaStreamGetDevice(s, &dev);
+            st != cudaSuccess) {
+            return fail(status, api, st, per_device ? "cudaGetDevice" : "cudaStreamGetDevice");
+        }
+        cudaEvent_t ev = nullptr;
+        try {
+            ev = event_pool::for_device(dev).acquire_raw();
+        } catch (const cuda_error& e) {
+            return fail(status, api, e.status(), "cudaEventCreateWithFlags");
+        } catch (...) {
+            return fail(status, api, cudaErrorMemoryAllocation, "stream wait bookkeeping");
+        }
+        if (cudaError_t st = cudaEventRecord(ev, s); st != cudaSuccess) {
+            event_pool::for_device(dev).release_raw(ev);
+            return fail(status, api, st, "cudaEventRecord");
+        }
+        try {
+            post(std::function<void()>([this, ev, dev, h, &status, &api] {
+                try {
+                    detail::wait_node* n = new_node();
+                    n->event = ev;
+                    n->device = dev;
+                    n->waiter = h;
+                    n->status = &status;
+                    api = "cudaEventQuery";
+                    m_event_waits.push_back(n);
+                } catch (...) {
+                    // The event may still be pending: recorded again before anyone reuses it.
+                    event_pool::for_device(dev).release_raw(ev);
+                    (void)fail(status, api, cudaErrorMemoryAllocation, "stream wait bookkeeping");
+                    m_ready.push_back(h);
+                }
+            }));
+            return true;
+        } catch (...) {
+            event_pool::for_device(dev).release_raw(ev);
+            return fail(status, api, cudaErrorMemoryAllocation, "scheduler::post");
+        }
+    }
+
     static bool fail(cudaError_t& status, const char*& api, cudaError_t st,
                      const char* what) noexcept {
         (void)cudaGetLastError();
@@ -667,8 +769,8 @@ private:
         return m_stream_waits > 0 || !m_event_waits.empty();
     }
     [[nodiscard]] bool idle() const noexcept {
-        return !has_gpu_waits() && m_ready.empty() && m_live_timers == 0 && m_children == 0 &&
-               m_detached.load(std::memory_order_acquire) == 0 &&
+        return !has_gpu_waits() && m_ready.empty() && m_stalled.empty() && m_live_timers == 0 &&
+               m_children == 0 && m_detached.load(std::memory_order_acquire) == 0 &&
                !m_has_remote.load(std::memory_order_acquire);
     }
     void rethrow_detached_error() {
@@ -690,6 +792,7 @@ private:
         m_gpu_progress |= poll_events();
         progress |= m_gpu_progress;
         progress |= fire_timers();
+        progress |= resume_stalled(); // after the timer that failed them has returned
         progress |= run_ready();
         return progress;
     }
@@ -719,6 +822,20 @@ private:
         return true;
     }
 
+    /// Resumes the awaits fail_waits_on failed, each reading its own record.
+    bool resume_stalled() {
+        if (m_stalled.empty()) {
+            return false;
+        }
+        std::vector<stalled_wait> batch;
+        batch.swap(m_stalled);
+        for (const stalled_wait& w : batch) {
+            m_stall = w.record;
+            w.waiter.resume();
+        }
+        return true;
+    }
+
     bool run_ready() {
         if (m_ready.empty()) {
             return false;
@@ -736,14 +853,11 @@ private:
         for (std::size_t i = 0; i < m_active.size();) {
             detail::stream_fifo* f = m_active[i];
             progress |= poll_fifo(f);
+            // An emptied FIFO left m_active (finish_head), and another took its place: poll
+            // that one next. (One made for a resumed coroutine's await may be skipped this
+            // sweep: polled at the next.)
             if (i < m_active.size() && m_active[i] == f) {
-                if (f->head == nullptr) {
-                    release_fifo(f);
-                    m_active[i] = m_active.back();
-                    m_active.pop_back();
-                } else {
-                    ++i;
-                }
+                ++i;
             }
         }
         return progress;
@@ -830,12 +944,15 @@ private:
     void finish_head(detail::stream_fifo* f, cudaError_t st) {
         detail::wait_node* n = f->head;
         f->head = n->next;
-        if (f->head == nullptr) {
-            f->tail = nullptr;
-        }
         --m_stream_waits;
         ++m_completed[static_cast<std::size_t>(f->device)];
         f->spare.push_back(n->event);
+        if (f->head == nullptr) {
+            // Forgotten before the waiter runs: it may destroy the stream, and a new stream (of
+            // any device) may get the same handle and must not find this FIFO.
+            f->tail = nullptr;
+            drop_fifo_if_empty(f);
+        }
         std::coroutine_handle<> h = release_node(n, st);
         if (m_ready.empty()) {
             h.resume(); // what run_ready would do, without the trip through m_ready
@@ -856,6 +973,17 @@ private:
             }
             m_event_waits[i] = m_event_waits.back();
             m_event_waits.pop_back();
+            if (n->device >= 0) { // a stream wait recorded off the loop thread: a pooled event
+                const auto dev = static_cast<std::size_t>(n->device);
+                if (dev >= m_completed.size()) {
+                    m_completed.resize(dev + 1, 0);
+                }
+                ++m_completed[dev];
+                if (dev >= m_event_cache.size()) {
+                    m_event_cache.resize(dev + 1);
+                }
+                give_event(n->device, n->event);
+            }
             complete(n, st);
             progress = true;
         }
@@ -1039,13 +1167,7 @@ private:
     /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
     /// or its block on the doorbell, as a post does, without allocating.
     static void sentinel_fired(void* self) noexcept {
-        auto* s = static_cast<basic_scheduler*>(self);
-        {
-            std::lock_guard lock(s->m_remote_mutex);
-            s->m_has_remote.store(true);
-        }
-        s->m_remote_cv.notify_one();
-        s->m_doorbell.ring_if_blocked();
+        static_cast<basic_scheduler*>(self)->signal([] {});
     }
 
     // ---- bookkeeping -----------------------------------------------------------------------
@@ -1078,7 +1200,7 @@ private:
         return n;
     }
 
-    detail::stream_fifo* new_fifo(cudaStream_t s, int dev) {
+    detail::stream_fifo* new_fifo(cudaStream_t s, int dev, bool per_device) {
         detail::stream_fifo* f = nullptr;
         if (m_free_fifos.empty()) {
             m_fifo_storage.emplace_back();
@@ -1092,9 +1214,12 @@ private:
         }
         f->stream = s;
         f->device = dev;
+        f->per_device = per_device;
         f->head = nullptr;
         f->tail = nullptr;
-        m_by_stream.emplace(s, f);
+        if (!per_device) {
+            m_by_stream.emplace(s, f);
+        }
         m_active.push_back(f);
         return f;
     }
@@ -1103,7 +1228,9 @@ private:
             return;
         }
         release_fifo(f);
-        m_active.erase(std::find(m_active.begin(), m_active.end(), f));
+        auto it = std::find(m_active.begin(), m_active.end(), f);
+        *it = m_active.back();
+        m_active.pop_back();
     }
     /// Forgets an empty FIFO: its stream may be destroyed and its handle reused from now on.
     void release_fifo(detail::stream_fifo* f) {
@@ -1111,7 +1238,9 @@ private:
             give_event(f->device, e);
         }
         f->spare.clear();
-        m_by_stream.erase(f->stream);
+        if (!f->per_device) {
+            m_by_stream.erase(f->stream);
+        }
         if (m_last_fifo == f) {
             m_last_fifo = nullptr;
         }
@@ -1167,7 +1296,12 @@ private:
     std::atomic<std::size_t> m_children{0};
     std::vector<std::uint64_t> m_completed;    ///< stream waits completed, by device
     cudaError_t m_orphan_status = cudaSuccess; ///< where failed awaits' completions go
-    detail::stall_record m_stall;
+    detail::stall_record m_stall;              ///< what the await resume_stalled resumes now throws
+    struct stalled_wait {
+        std::coroutine_handle<> waiter;
+        detail::stall_record record;
+    };
+    std::vector<stalled_wait> m_stalled; ///< failed by fail_waits_on, resumed at the next step
 
     // Shared with other threads.
     std::mutex m_remote_mutex;
@@ -1246,6 +1380,12 @@ struct scheduler_access_t {
     }
     [[nodiscard]] static const stall_record& last_stall(const basic_scheduler<Unused>& s) noexcept {
         return s.last_stall();
+    }
+    /// Runs `change` under the scheduler's hand-off lock and wakes its loop; nothing of `s` is
+    /// touched once the lock is released, so the loop may finish and `s` go at once.
+    template <class Change>
+    static void signal(basic_scheduler<Unused>& s, Change&& change) {
+        s.signal(std::forward<Change>(change));
     }
     static void child_started(basic_scheduler<Unused>& s) noexcept { s.child_started(); }
     static void child_finished(basic_scheduler<Unused>& s) noexcept { s.child_finished(); }

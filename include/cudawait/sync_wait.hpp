@@ -33,12 +33,15 @@ struct sync_wait_sink {
     sync_wait_state<R>* state;
     void complete(result_slot<R>&& r) {
         scheduler* s = state->sched;
-        const bool foreign = !scheduler_access::on_loop_thread(*s);
         state->result = std::move(r);
-        state->done.store(true, std::memory_order_release);
-        if (foreign) {
-            s->wake();
+        if (scheduler_access::on_loop_thread(*s)) {
+            state->done.store(true, std::memory_order_release);
+            return;
         }
+        // Finished on another thread: once `done` is seen, sync_wait may return and the caller
+        // destroy the scheduler, so the store and the wake-up happen under its hand-off lock.
+        scheduler_access::signal(*s,
+                                 [st = state] { st->done.store(true, std::memory_order_release); });
     }
 };
 
