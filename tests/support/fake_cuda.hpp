@@ -3,7 +3,8 @@
 
 // A fake CUDA runtime for host tests: fake_cuda.cpp defines the runtime's entry points
 // (extern "C", the names <cuda_runtime_api.h> declares) and a test links it in place of
-// libcudart (tests/CMakeLists.txt: cudawait_add_fake_test). This header is its control panel.
+// libcudart (cudawait_add_fake_test, tests/support/CMakeLists.txt). This header is its control
+// panel.
 //
 // The model. Streams and events are heap tokens, made and checked under one mutex (every entry
 // point is thread-safe). Each thread has a current device (0 at first); streams and events belong
@@ -18,8 +19,9 @@
 // a stream of another device than the event's. cudaEventSynchronize, cudaStreamSynchronize and
 // cudaDeviceSynchronize block until a release completes what they wait for. A call that passes
 // a destroyed or never-made stream or event returns cudaErrorInvalidResourceHandle and is
-// counted (dead_handle_calls). Kernel launches, copies and memsets succeed (copies and memsets
-// between host addresses are made: every allocation of the fake, device memory included, is host
+// counted (dead_handle_calls). Kernel launches, copies and memsets succeed. A kernel does
+// nothing (an SM copy moves no bytes); copies and memsets between host addresses are made at
+// once, even on a hung stream (every allocation of the fake, device memory included, is host
 // memory). cudaLaunchHostFunc, graphs, stream capture and the driver's entry points are not
 // supported (cudaErrorNotSupported, or "not found"). Failures set the thread's last error
 // (cudaGetLastError), except cudaErrorNotReady.
