@@ -167,10 +167,12 @@ private:
         stream small_d2h(dev, high);
         stream bulk_h2d(dev, low);
         stream bulk_d2h(dev, low);
-        // The bulk D2H stream is one that makes small D2H copies go by the SMs while busy.
-        (void)detail::bulk_streams::instance().add(m_device, {bulk_d2h.get()});
         // Loaded now, so that a small copy the SMs make beside bulk work does not wait for it.
         detail::preload_sm_copy(dev, small_d2h);
+        // The bulk D2H stream is one that makes small D2H copies go by the SMs while busy.
+        // Registered last, as the lanes are kept from here on: registered before a throw, the
+        // destroyed stream would stay in the registry, to be queried by every small D2H copy.
+        (void)detail::bulk_streams::instance().add(m_device, {bulk_d2h.get()});
         m_small_h2d = small_h2d.release();
         m_small_d2h = small_d2h.release();
         m_bulk_h2d = bulk_h2d.release();

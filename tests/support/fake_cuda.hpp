@@ -1,0 +1,100 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// A fake CUDA runtime for host tests: fake_cuda.cpp defines the runtime's entry points
+// (extern "C", the names <cuda_runtime_api.h> declares) and a test links it in place of
+// libcudart (cudawait_add_fake_test, tests/support/CMakeLists.txt). This header is its control
+// panel.
+//
+// The model. Streams and events are heap tokens, made and checked under one mutex (every entry
+// point is thread-safe). Each thread has a current device (0 at first); streams and events belong
+// to the device current where they were made. The special handles 0 / cudaStreamLegacy name the
+// legacy stream of the calling thread's current device, cudaStreamPerThread the calling thread's
+// own stream of it: distinct stream objects per device and per (thread, device).
+//
+// Work completes at once, unless held back:
+//   - hang(s): what is recorded on s from then on stays cudaErrorNotReady until release(s);
+//   - cudaStreamWaitEvent(s, e): what is recorded on s afterwards also waits for e's record.
+// An event never recorded is complete. cudaEventRecord refuses (cudaErrorInvalidResourceHandle)
+// a stream of another device than the event's. cudaEventSynchronize, cudaStreamSynchronize and
+// cudaDeviceSynchronize block until a release completes what they wait for. A call that passes
+// a destroyed or never-made stream or event returns cudaErrorInvalidResourceHandle and is
+// counted (dead_handle_calls). Kernel launches, copies and memsets succeed. A kernel does
+// nothing (an SM copy moves no bytes); copies and memsets between host addresses are made at
+// once, even on a hung stream (every allocation of the fake, device memory included, is host
+// memory). cudaLaunchHostFunc, graphs, stream capture and the driver's entry points are not
+// supported (cudaErrorNotSupported, or "not found"). Failures set the thread's last error
+// (cudaGetLastError), except cudaErrorNotReady.
+
+#include <cstddef>
+#include <optional>
+#include <string_view>
+#include <thread>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait::fake_cuda {
+
+/// Starts a test afresh: completes everything held (release_all), forgets every stream's
+/// waits, the fail_next hooks, the call counts and dead_handle_calls; handle reuse off; one
+/// device; the calling thread's current device 0 (other threads keep theirs). Streams, events
+/// and allocations made before stay valid (destroyed ones stay destroyed): the library keeps
+/// some for the process (the copy lanes' streams, the event pools' events), so live_streams()
+/// and live_events() count what earlier tests of the process left, and the library sizes its
+/// per-device pools at their first use (set_device_count before that, in a test of its own
+/// process, as ctest runs them).
+void reset();
+
+/// How many devices cudaGetDeviceCount reports (1 until set).
+void set_device_count(int n);
+
+/// Holds back the work recorded on `s` from now on (0, cudaStreamLegacy and cudaStreamPerThread
+/// resolved as the runtime does, for the calling thread and its current device): events
+/// recorded there stay cudaErrorNotReady, and so does the stream, until release(s).
+/// @throws std::invalid_argument for a handle the fake never made
+void hang(cudaStream_t s);
+
+/// Completes everything recorded on `s` so far and ends its hang. Resolved as hang().
+/// @throws std::invalid_argument for a handle the fake never made
+void release(cudaStream_t s);
+
+/// release() on every stream, destroyed ones included.
+void release_all();
+
+/// Makes the next `times` calls of entry point `api` (e.g. "cudaLaunchKernel",
+/// "cudaEventCreateWithFlags") fail with `err`, before they do anything.
+void fail_next(std::string_view api, cudaError_t err, int times = 1);
+
+/// While on, creating a stream (an event) hands out the stream (event) handle destroyed last,
+/// if there is one: what a driver may do.
+void reuse_handles(bool on);
+
+/// How many times entry point `api` was called since the last reset().
+std::size_t calls(std::string_view api);
+
+/// Streams made with cudaStreamCreate* and not destroyed.
+std::size_t live_streams();
+/// Events made with cudaEventCreate* and not destroyed.
+std::size_t live_events();
+
+/// Calls that passed a destroyed (or never-made) stream or event handle; each returned
+/// cudaErrorInvalidResourceHandle.
+std::size_t dead_handle_calls();
+
+/// The device of stream `s` (special handles resolved as by hang(); destroyed streams keep
+/// theirs), or -1 for a handle the fake never made.
+int stream_device(cudaStream_t s);
+
+/// Where an event was last recorded.
+struct record_info {
+    cudaStream_t stream;    ///< the stream object: for a special handle, the one it resolved to
+    int device;             ///< that stream's device
+    bool per_thread;        ///< recorded through cudaStreamPerThread
+    bool legacy;            ///< recorded through 0 or cudaStreamLegacy
+    std::thread::id thread; ///< the recording thread
+};
+
+/// Where `e` was last recorded; std::nullopt if it never was (or was never made).
+std::optional<record_info> last_record(cudaEvent_t e);
+
+} // namespace cudawait::fake_cuda
