@@ -39,7 +39,10 @@
 // to `sleep_max`.
 //
 // Threads. One thread at a time drives a scheduler (run / run_until / sync_wait); coroutines
-// resume on it. post, spawn, wake and schedule() are safe from any thread.
+// resume on it. post, spawn, wake and schedule() are safe from any thread, and a scheduler may be
+// destroyed as soon as its loop returned, whatever other threads just handed it. `sched.wait(s)`
+// from another thread records on that thread's stream: 0, cudaStreamLegacy and
+// cudaStreamPerThread name the awaiting thread's stream of its current device.
 //
 // The public members are what a user calls. What only the library's awaiters and drivers need
 // (queueing a wait or a timer, counting internal children, run_from) is private and reached
