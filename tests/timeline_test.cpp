@@ -491,6 +491,150 @@ TEST(timeline, files_are_written_and_an_unwritable_path_throws) {
                  std::runtime_error);
 }
 
+// ---- host: GPU spans on simulated clocks ----------------------------------------------------
+
+// The GPU side of a timeline, simulated: a host clock that moves only when the test or an
+// anchor's wait moves it, a GPU clock that runs from it at a chosen rate, events that hold their
+// GPU time, and elapsed times as the runtime reports them, in float milliseconds. An anchor's
+// event runs 4 us into a bracket of 10 to 20 us, as on an H200.
+struct simulated_timing {
+    using clock = std::chrono::steady_clock;
+    static constexpr std::chrono::nanoseconds reanchor_after =
+        cudawait::detail::cuda_timing::reanchor_after;
+
+    struct event_type {
+        std::unique_ptr<std::int64_t> gpu_ns; // on the heap: the handle survives moves
+        [[nodiscard]] cudaEvent_t get() const noexcept {
+            return reinterpret_cast<cudaEvent_t>(gpu_ns.get());
+        }
+    };
+    struct sample {
+        event_type ev;
+        clock::time_point before;
+        clock::time_point after;
+    };
+
+    static inline clock::time_point host_now{};
+    static inline double gpu_rate = 1.0; // GPU nanoseconds per host nanosecond
+    static inline std::size_t anchors = 0;
+    static inline std::mt19937_64 rng;
+
+    static void reset(double rate) {
+        host_now = clock::time_point{} + std::chrono::hours(100);
+        gpu_rate = rate;
+        anchors = 0;
+        rng.seed(5);
+    }
+    static clock::time_point now() noexcept { return host_now; }
+    /// An event that ran at host time `t` (the GPU clock counts from its own zero).
+    static event_type event_at(clock::time_point t) {
+        const auto host =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch());
+        const double gpu = static_cast<double>(host.count()) * gpu_rate;
+        return {std::make_unique<std::int64_t>(std::llround(gpu) - 123'456'789'000)};
+    }
+    static sample record_anchor(int device) {
+        EXPECT_EQ(device, 0);
+        ++anchors;
+        const clock::time_point before = host_now;
+        host_now += std::chrono::microseconds(10 + static_cast<int>(rng() % 11));
+        return {event_at(before + std::chrono::microseconds(4)), before, host_now};
+    }
+    static float elapsed_ms(cudaEvent_t from, cudaEvent_t to) {
+        const std::int64_t ns = *reinterpret_cast<const std::int64_t*>(to) -
+                                *reinterpret_cast<const std::int64_t*>(from);
+        return static_cast<float>(static_cast<double>(ns) / 1e6);
+    }
+};
+
+using simulated_timeline = cudawait::detail::basic_timeline<simulated_timing>;
+
+// A span that ran between host times `start` and `end`, recorded on track "stream".
+void record_simulated(simulated_timeline& tl, clk::time_point start, clk::time_point end,
+                      std::size_t chunk) {
+    const auto s = simulated_timing::event_at(start);
+    const auto e = simulated_timing::event_at(end);
+    tl.record_gpu(0, "stream", "kernel", s.get(), e.get(), chunk);
+}
+
+TEST(timeline, gpu_spans_keep_sub_microsecond_steps_an_hour_after_the_anchor) {
+    simulated_timing::reset(1.0);
+    simulated_timeline tl;
+    tl.anchor(0);
+    simulated_timing::host_now += std::chrono::hours(1);
+    // Ten kernels of 1 to 2.2 us, 10.3 us apart, that ended a millisecond ago. Measured from
+    // the hour-old anchor, the float's step would be 250 us.
+    const clk::time_point first = simulated_timing::host_now - std::chrono::milliseconds(1);
+    auto start_of = [&](std::size_t k) { return first + std::chrono::nanoseconds(10'300 * k); };
+    auto length_of = [](std::size_t k) { return static_cast<std::int64_t>(1'000 + 137 * k); };
+    for (std::size_t k = 0; k < 10; ++k) {
+        record_simulated(tl, start_of(k), start_of(k) + std::chrono::nanoseconds(length_of(k)), k);
+    }
+    EXPECT_EQ(simulated_timing::anchors, 2u) << "the hour-old anchor was replaced, once";
+    const std::vector<timeline_span> spans = tl.spans();
+    ASSERT_EQ(spans.size(), 10u);
+    for (std::size_t k = 0; k < spans.size(); ++k) {
+        EXPECT_EQ(spans[k].chunk, k);
+        EXPECT_NEAR(spans[k].end - spans[k].start, length_of(k), 100) << k;
+        // On the host clock, to within the anchor's bracket.
+        EXPECT_NEAR(spans[k].start, tl.to_ns(start_of(k)), 20'000) << k;
+        if (k > 0) {
+            EXPECT_NEAR(spans[k].start - spans[k - 1].start, 10'300, 100) << k;
+        }
+    }
+}
+
+// Ten simulated minutes of a stream that is never idle: one kernel a second, each starting
+// 1 us after the last one ended, recorded a millisecond after it ended. The anchor is replaced
+// every few seconds; its bracket's width varies, so the middle of each would put the event at a
+// different place in it. The new anchors continue the old mapping: the kernels still line up.
+TEST(timeline, spans_of_a_stream_line_up_across_new_anchors) {
+    simulated_timing::reset(1.0);
+    simulated_timeline tl;
+    tl.anchor(0);
+    clk::time_point last_end = simulated_timing::host_now;
+    std::vector<std::pair<std::int64_t, std::int64_t>> truth;
+    for (std::size_t i = 0; i < 600; ++i) {
+        simulated_timing::host_now += std::chrono::seconds(1);
+        const clk::time_point start = last_end + std::chrono::microseconds(1);
+        last_end = simulated_timing::host_now - std::chrono::milliseconds(1);
+        record_simulated(tl, start, last_end, i);
+        truth.emplace_back(tl.to_ns(start), tl.to_ns(last_end));
+    }
+    EXPECT_GE(simulated_timing::anchors, 100u);
+    EXPECT_LE(simulated_timing::anchors, 200u);
+    const std::vector<cudawait::timeline_track> tracks = tl.tracks();
+    ASSERT_EQ(tracks.size(), 1u) << "a span overlapped the one before it";
+    ASSERT_EQ(tracks[0].spans.size(), truth.size());
+    for (std::size_t i = 0; i < truth.size(); ++i) {
+        const timeline_span& s = tracks[0].spans[i];
+        ASSERT_EQ(s.chunk, i);
+        EXPECT_NEAR(s.start, truth[i].first, 20'000) << i;
+        EXPECT_NEAR(s.end - s.start, truth[i].second - truth[i].first, 1'000) << i;
+    }
+}
+
+// A GPU clock 5 ppm fast or slow drifts 3 ms from the host's in ten minutes. The new anchors
+// follow the host clock: spans stay within a bracket plus one anchor's drift of it.
+TEST(timeline, new_anchors_follow_a_drifting_gpu_clock) {
+    for (double rate : {1.0 + 5e-6, 1.0 - 5e-6}) {
+        simulated_timing::reset(rate);
+        simulated_timeline tl;
+        tl.anchor(0);
+        std::int64_t worst = 0;
+        for (std::size_t i = 0; i < 600; ++i) {
+            simulated_timing::host_now += std::chrono::seconds(1);
+            const clk::time_point start = simulated_timing::host_now - std::chrono::milliseconds(3);
+            record_simulated(tl, start, start + std::chrono::milliseconds(2), i);
+            const timeline_span s = tl.spans().back();
+            ASSERT_EQ(s.chunk, i);
+            worst = std::max(worst, std::abs(s.start - tl.to_ns(start)));
+            EXPECT_NEAR(s.end - s.start, 2'000'000, 1'000) << rate << " " << i;
+        }
+        EXPECT_LE(worst, 40'000) << "rate " << rate;
+    }
+}
+
 // ---- GPU: a pipeline's timeline ------------------------------------------------------------
 
 // Pipelines leave pool blocks pending on their events until the pool collects them: the
@@ -682,6 +826,55 @@ TEST_F(timeline_gpu, work_awaited_outside_a_pipeline_is_recorded_between_its_eve
     ASSERT_EQ(tracks.size(), 2u);
     EXPECT_TRUE(tracks[0].gpu) << "GPU tracks come first";
     EXPECT_EQ(tracks[0].name, "my stream");
+}
+
+// The CUDA timing with a new anchor for every span, taken after the span's events ran (the
+// elapsed times from it are negative).
+struct anchor_per_span : cudawait::detail::cuda_timing {
+    static constexpr std::chrono::nanoseconds reanchor_after{0};
+};
+
+TEST_F(timeline_gpu, spans_measured_from_new_anchors_stay_between_their_events_and_line_up) {
+    cudawait::detail::basic_timeline<anchor_per_span> tl;
+    tl.anchor(0);
+    cudawait::stream s(cudawait::device_ref(0));
+    constexpr std::size_t kernels = 8;
+    std::vector<cudawait::event> starts;
+    std::vector<cudawait::event> ends;
+    for (std::size_t i = 0; i < kernels; ++i) {
+        starts.emplace_back(cudawait::device_ref(0), cudaEventDefault);
+        ends.emplace_back(cudawait::device_ref(0), cudaEventDefault);
+    }
+    cudawait::device_buffer<u32> out(kernels, s);
+    const std::int64_t before = tl.to_ns(clk::now());
+    for (std::size_t i = 0; i < kernels; ++i) {
+        starts[i].record(s);
+        cudawait::check(cudawait::testing::launch_spin(1'000'000, out.data() + i,
+                                                       static_cast<u32>(i + 1), s.get()),
+                        "launch_spin"); // 1 ms on the GPU
+        ends[i].record(s);
+    }
+    std::vector<u32> got(kernels, 0xdeadbeefu);
+    cudawait::check(cudaMemcpyAsync(got.data(), out.data(), kernels * sizeof(u32),
+                                    cudaMemcpyDeviceToHost, s.get()),
+                    "cudaMemcpyAsync");
+    cudawait::check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+    const std::int64_t after = tl.to_ns(clk::now());
+    for (std::size_t i = 0; i < kernels; ++i) {
+        EXPECT_EQ(got[i], i + 1);
+        tl.record_gpu(0, "spins", "spin", starts[i], ends[i], i);
+    }
+    const std::vector<timeline_span> spans = tl.spans();
+    ASSERT_EQ(spans.size(), kernels);
+    for (std::size_t i = 0; i < kernels; ++i) {
+        EXPECT_EQ(spans[i].chunk, i);
+        EXPECT_GE(spans[i].end - spans[i].start, 999'000) << "the spin's 1 ms";
+        EXPECT_GE(spans[i].start, before - 200'000);
+        EXPECT_LE(spans[i].end, after + 200'000);
+        if (i > 0) {
+            EXPECT_GE(spans[i].start, spans[i - 1].end - 2'000) << "measured from other anchors";
+        }
+    }
 }
 
 TEST_F(timeline_gpu, the_demo_writes_a_trace_and_a_picture_of_its_overlapping_run) {

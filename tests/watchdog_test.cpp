@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
@@ -232,6 +233,53 @@ TEST_F(watchdog_gpu, heartbeat_keeps_a_long_one_block_kernel_from_being_reported
         }
         s.run();
     }
+}
+
+// The heartbeat of a device other than the loop thread's current one: launched with its own
+// device current, it keeps a long one-block kernel there from being reported.
+TEST_F(watchdog_gpu, heartbeat_on_a_device_that_is_not_current_keeps_its_kernel_unreported) {
+    if (cudawait::device_count() < 2) {
+        GTEST_SKIP() << "needs two devices (the watched one must not be the current one)";
+    }
+    const cudawait::device_ref watched(1);
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    mapped_words out(1);
+    stream st(watched);
+    const std::uint32_t value = 0x1DE7A11u;
+    const std::uint64_t beats_before = cudawait::detail::heartbeat_kernel::for_device(1).beats();
+    std::size_t reports = 0;
+    {
+        scheduler s;
+        watchdog_options o;
+        o.window = kWindow;
+        o.heartbeat = true;
+        o.fail_awaits = true;
+        o.on_stall = [&](const stall_info&) { ++reports; };
+        {
+            watchdog wd(s, o);
+            auto body = [&]() -> task<bool> {
+                const auto spin_ns = static_cast<std::uint64_t>(
+                    std::chrono::duration_cast<std::chrono::nanoseconds>(2 * kWindow).count());
+                {
+                    cudawait::device_guard on(watched); // the runtime launches on the current one
+                    check(cudawait::testing::launch_spin(spin_ns, out.device, value, st.get()),
+                          "launch_spin");
+                }
+                EXPECT_EQ(cudawait::current_device().get(), 0);
+                co_await st; // would throw stall_error if reported
+                co_return true;
+            };
+            EXPECT_TRUE(sync_wait(s, body()));
+            EXPECT_EQ(out.host[0], value);
+            EXPECT_EQ(reports, 0u);
+            EXPECT_EQ(wd.stalls(), 0u);
+            EXPECT_EQ(cudawait::current_device().get(), 0) << "the watchdog restored it";
+        }
+        s.run();
+    }
+    EXPECT_GT(cudawait::detail::heartbeat_kernel::for_device(1).beats(), beats_before)
+        << "device 1's heartbeat ran";
+    EXPECT_EQ(cudaStreamSynchronize(st.get()), cudaSuccess);
 }
 
 } // namespace

@@ -13,7 +13,7 @@
 //   tl.record(track, name, t0, t1, chunk) a host span from two steady_clock time points
 //   timeline_scope s(&tl, track, name);   a host span from here to the end of the scope (it
 //                                         may span co_await); a null timeline records nothing
-//   tl.anchor(device)                     pins the device's GPU clock to the host clock (once)
+//   tl.anchor(device)                     pins the device's GPU clock to the host clock
 //   tl.record_gpu(device, track, name, start_event, end_event, chunk)
 //                                         a GPU span between two timing events that completed
 //                                         (co_await the end event first): work awaited
@@ -23,10 +23,15 @@
 //   tl.write_svg(path | ostream)          the same timeline as a plain SVG picture
 //
 // GPU times come from timing events, read when the work has completed (cudaEventElapsedTime
-// against an anchor event), so recording adds no synchronisation. The anchor is one event per
-// device whose host time is taken once, when anchor() records it and waits for it (the pipeline
-// anchors when it is built): GPU and host spans then share the host clock, to within a few
-// microseconds.
+// against an anchor event), so recording adds no synchronisation. An anchor is an event of the
+// device that anchor() records and waits for, its host time bracketed by the host clock (the
+// pipeline anchors when it is built). Elapsed times come in float milliseconds, whose step
+// grows with them (62.5 us ten minutes after an anchor), so a span is measured from an anchor
+// at most a few seconds old, taken anew when the last one is older. The new anchor continues
+// the old one's mapping (the spans of a stream measured from either still line up) as long as
+// that stays within its bracket; where the clocks drifted further, it takes the nearest end of
+// the bracket. GPU and host spans thus share the host clock to within an anchor's bracket (some
+// microseconds), in steps under a microsecond however old the timeline.
 //
 // Tracks: a GPU track is one stream, whose work never overlaps. Host spans can (two consumers
 // awaiting at once), and a complete event in a trace must not overlap another on its track, so
@@ -63,6 +68,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -89,18 +95,71 @@ struct timeline_track {
 
 namespace detail {
 
+/// The GPU clock of a timeline: timing events recorded on a device, bracketed by the host
+/// clock, and the time between two of them as the runtime reports it. A class template for the
+/// reason basic_timeline is one (`Unused` is always void; use cuda_timing). The tests give
+/// basic_timeline a stand-in of the same shape that simulates both clocks.
+template <class Unused = void>
+struct basic_cuda_timing {
+    using clock = std::chrono::steady_clock;
+    using event_type = event;
+    /// An event that ran on the GPU at some host time between `before` and `after`.
+    struct sample {
+        event_type ev;
+        clock::time_point before;
+        clock::time_point after;
+    };
+
+    /// How old an anchor may be when a span is measured from it: elapsed times are float
+    /// milliseconds, whose step is at most 0.24 us below 2^12 ms (about 4.2 s).
+    static constexpr std::chrono::nanoseconds reanchor_after = std::chrono::seconds(4);
+
+    [[nodiscard]] static clock::time_point now() noexcept { return clock::now(); }
+
+    /// An event recorded on device `device` and waited for, a few times: the narrowest bracket.
+    /// @throws cuda_error
+    [[nodiscard]] static sample record_anchor(int device) {
+        device_ref dev(device);
+        stream s(dev);
+        sample best{event(dev, cudaEventDefault), {}, {}};
+        for (int i = 0; i < 3; ++i) {
+            event e(dev, cudaEventDefault);
+            const clock::time_point before = clock::now();
+            e.record(s);
+            check(cudaEventSynchronize(e.get()), "cudaEventSynchronize");
+            const clock::time_point after = clock::now();
+            if (i == 0 || after - before < best.after - best.before) {
+                best = sample{std::move(e), before, after};
+            }
+        }
+        return best;
+    }
+
+    /// Milliseconds from `from` to `to`, both complete; negative when `to` ran first.
+    /// @throws cuda_error
+    [[nodiscard]] static float elapsed_ms(cudaEvent_t from, cudaEvent_t to) {
+        float ms = 0;
+        check(cudaEventElapsedTime(&ms, from, to), "cudaEventElapsedTime");
+        return ms;
+    }
+};
+
+using cuda_timing = basic_cuda_timing<>;
+
 /// Everything `timeline` is, as a class template that `timeline` derives from: the members of a
 /// template are instantiated only where they are used, so a translation unit that includes
-/// this header and makes no timeline does not instantiate them. `Unused` is always void.
-template <class Unused = void>
+/// this header and makes no timeline does not instantiate them. `Timing` is cuda_timing except
+/// in the tests.
+template <class Timing = cuda_timing>
 class basic_timeline {
 public:
     using clock = std::chrono::steady_clock;
+    static_assert(std::is_same_v<typename Timing::clock, clock>);
     /// The chunk of a span that belongs to none.
     static constexpr std::size_t no_chunk = std::numeric_limits<std::size_t>::max();
 
     /// Time 0 is now.
-    basic_timeline() : m_origin(clock::now()) {}
+    basic_timeline() : m_origin(Timing::now()) {}
     basic_timeline(const basic_timeline&) = delete;
     basic_timeline& operator=(const basic_timeline&) = delete;
 
@@ -116,7 +175,8 @@ public:
     }
 
     /// Pins device `device`'s GPU clock to the host clock: records an event and waits for it
-    /// (a few times, keeping the tightest bracket). Done once per device; later calls return.
+    /// (a few times, keeping the tightest bracket). Later calls return at once unless the
+    /// device's anchor is older than Timing::reanchor_after, which they replace.
     /// @throws cuda_error
     void anchor(int device) {
         std::lock_guard lock(m_mutex);
@@ -124,8 +184,9 @@ public:
     }
 
     /// Records a GPU span between timing events `start` and `end` of device `device` (events
-    /// made without cudaEventDisableTiming, both complete). Anchors the device first if needed,
-    /// which should rather happen before the work (anchor()).
+    /// made without cudaEventDisableTiming, both complete). Anchors the device first if needed
+    /// (a first anchor should rather be taken before the work: anchor()), and replaces an anchor
+    /// older than Timing::reanchor_after.
     /// @throws cuda_error
     void record_gpu(int device, std::string_view track, std::string_view name, event_ref start,
                     event_ref end, std::size_t chunk = no_chunk) {
@@ -134,8 +195,8 @@ public:
         {
             std::lock_guard lock(m_mutex);
             const gpu_anchor& a = anchor_locked(device);
-            s = a.host_ns + elapsed_ns(a.ev.get(), start.get());
-            e = a.host_ns + elapsed_ns(a.ev.get(), end.get());
+            s = a.host_ns + gpu_ns(Timing::elapsed_ms(a.ev.get(), start.get()));
+            e = a.host_ns + gpu_ns(Timing::elapsed_ms(a.ev.get(), end.get()));
         }
         add(track, name, chunk, s, e, true);
     }
@@ -337,7 +398,7 @@ public:
 
 private:
     struct gpu_anchor {
-        event ev;
+        typename Timing::event_type ev;
         std::int64_t host_ns = 0;
     };
 
@@ -351,36 +412,32 @@ private:
         m_spans.push_back(std::move(span));
     }
 
+    /// Device `device`'s anchor, taken first if it has none or it is older than reanchor_after.
     const gpu_anchor& anchor_locked(int device) {
         auto it = m_anchors.find(device);
-        if (it != m_anchors.end()) {
+        const std::int64_t now = to_ns(Timing::now());
+        if (it != m_anchors.end() &&
+            now - it->second.host_ns < std::chrono::nanoseconds(Timing::reanchor_after).count()) {
             return it->second;
         }
-        device_ref dev(device);
-        stream s(dev);
-        gpu_anchor best{event(dev, cudaEventDefault), 0};
-        std::int64_t best_width = std::numeric_limits<std::int64_t>::max();
-        // The event ran between the record and the end of the wait: of a few tries, the
-        // narrowest bracket's middle is the closest guess of its host time.
-        for (int i = 0; i < 3; ++i) {
-            event e(dev, cudaEventDefault);
-            const std::int64_t before = to_ns(clock::now());
-            e.record(s);
-            check(cudaEventSynchronize(e.get()), "cudaEventSynchronize");
-            const std::int64_t after = to_ns(clock::now());
-            if (after - before < best_width) {
-                best_width = after - before;
-                best = gpu_anchor{std::move(e), before + (after - before) / 2};
-            }
+        typename Timing::sample fresh = Timing::record_anchor(device);
+        const std::int64_t before = to_ns(fresh.before);
+        const std::int64_t after = to_ns(fresh.after);
+        if (it == m_anchors.end()) {
+            // The middle of the bracket is the closest guess of the event's host time.
+            gpu_anchor first{std::move(fresh.ev), before + (after - before) / 2};
+            return m_anchors.emplace(device, std::move(first)).first->second;
         }
-        return m_anchors.emplace(device, std::move(best)).first->second;
+        // The old anchor's mapping continued, so that spans measured from the two anchors line
+        // up, unless that lies outside the bracket: the clocks drifted apart.
+        gpu_anchor& a = it->second;
+        const std::int64_t continued =
+            a.host_ns + gpu_ns(Timing::elapsed_ms(a.ev.get(), fresh.ev.get()));
+        a = gpu_anchor{std::move(fresh.ev), std::clamp(continued, before, after)};
+        return a;
     }
 
-    static std::int64_t elapsed_ns(cudaEvent_t from, cudaEvent_t to) {
-        float ms = 0;
-        check(cudaEventElapsedTime(&ms, from, to), "cudaEventElapsedTime");
-        return std::llround(static_cast<double>(ms) * 1e6);
-    }
+    static std::int64_t gpu_ns(float ms) { return std::llround(static_cast<double>(ms) * 1e6); }
 
     static std::int64_t earliest(const std::vector<timeline_track>& ts) {
         std::int64_t base = std::numeric_limits<std::int64_t>::max();

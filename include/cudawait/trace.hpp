@@ -17,9 +17,18 @@
 //
 // NVTX3 is header-only; without a profiler (Nsight Systems) attached a range costs a call that
 // returns at once, and nothing is formatted: the index travels as the payload, so the pipeline's
-// per-chunk path pays no string work. Define CUDAWAIT_DISABLE_NVTX to compile the ranges out
-// altogether; without the NVTX3 headers on the include path they are compiled out as well.
+// per-chunk path pays no string work.
+//
+// CUDAWAIT_DISABLE_NVTX may differ between the files of one program: no type and no inline
+// function here depends on it, since the linker keeps one copy of each for every file (the
+// pipeline's templates that hold ranges included). A range reaches NVTX through
+// detail::g_trace_calls, which every file that includes this header with NVTX (the macro not
+// defined, the NVTX3 headers on the include path) points at NVTX as the program starts. A file
+// that defines the macro does not include NVTX: its ranges, like the library's, are traced as
+// long as another file of the program includes NVTX; where none does, a range costs a load and
+// a branch.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -33,6 +42,18 @@
 namespace cudawait {
 
 namespace detail {
+
+/// The calls that open and close ranges in a tracer (NVTX's "cudawait" domain).
+struct trace_calls {
+    std::uint64_t (*start)(const char* what, std::size_t index) noexcept;
+    void (*end)(std::uint64_t id) noexcept;
+    void (*push)(const char* what, std::size_t index) noexcept;
+    void (*pop)() noexcept;
+};
+
+/// The program's tracer: null until a file that includes NVTX starts (then NVTX's calls).
+inline std::atomic<const trace_calls*> g_trace_calls{nullptr};
+
 #if CUDAWAIT_HAS_NVTX
 /// The "cudawait" NVTX domain, created on first use.
 inline nvtxDomainHandle_t trace_domain() noexcept {
@@ -51,6 +72,28 @@ inline nvtxEventAttributes_t trace_attributes(const char* what, std::size_t inde
     attr.payload.ullValue = static_cast<std::uint64_t>(index);
     return attr;
 }
+
+static_assert(sizeof(nvtxRangeId_t) == sizeof(std::uint64_t));
+
+inline std::uint64_t nvtx_trace_start(const char* what, std::size_t index) noexcept {
+    nvtxEventAttributes_t attr = trace_attributes(what, index);
+    return nvtxDomainRangeStartEx(trace_domain(), &attr);
+}
+inline void nvtx_trace_end(std::uint64_t id) noexcept { nvtxDomainRangeEnd(trace_domain(), id); }
+inline void nvtx_trace_push(const char* what, std::size_t index) noexcept {
+    nvtxEventAttributes_t attr = trace_attributes(what, index);
+    nvtxDomainRangePushEx(trace_domain(), &attr);
+}
+inline void nvtx_trace_pop() noexcept { nvtxDomainRangePop(trace_domain()); }
+
+/// NVTX as the program's tracer.
+inline constexpr trace_calls nvtx_trace_calls{&nvtx_trace_start, &nvtx_trace_end, &nvtx_trace_push,
+                                              &nvtx_trace_pop};
+
+// Installs NVTX at this file's static initialisation. Internal linkage: the one thing that
+// differs between files with and without NVTX is a variable no other file can name.
+[[maybe_unused]] static const bool g_nvtx_trace_installed =
+    (g_trace_calls.store(&nvtx_trace_calls, std::memory_order_release), true);
 #endif
 } // namespace detail
 
@@ -59,22 +102,22 @@ inline nvtxEventAttributes_t trace_attributes(const char* what, std::size_t inde
 /// use trace_async_range there.
 class trace_range {
 public:
-    explicit trace_range(const char* what, std::size_t index) noexcept {
-#if CUDAWAIT_HAS_NVTX
-        nvtxEventAttributes_t attr = detail::trace_attributes(what, index);
-        nvtxDomainRangePushEx(detail::trace_domain(), &attr);
-#else
-        (void)what;
-        (void)index;
-#endif
+    explicit trace_range(const char* what, std::size_t index) noexcept
+        : m_calls(detail::g_trace_calls.load(std::memory_order_acquire)) {
+        if (m_calls != nullptr) {
+            m_calls->push(what, index);
+        }
     }
     trace_range(const trace_range&) = delete;
     trace_range& operator=(const trace_range&) = delete;
     ~trace_range() {
-#if CUDAWAIT_HAS_NVTX
-        nvtxDomainRangePop(detail::trace_domain());
-#endif
+        if (m_calls != nullptr) {
+            m_calls->pop();
+        }
     }
+
+private:
+    const detail::trace_calls* m_calls; // the tracer that opened the range closes it
 };
 
 /// A scoped NVTX start/end range in the "cudawait" domain: message `what` (a string that
@@ -83,27 +126,23 @@ public:
 /// on another thread.
 class trace_async_range {
 public:
-    explicit trace_async_range(const char* what, std::size_t index) noexcept {
-#if CUDAWAIT_HAS_NVTX
-        nvtxEventAttributes_t attr = detail::trace_attributes(what, index);
-        m_id = nvtxDomainRangeStartEx(detail::trace_domain(), &attr);
-#else
-        (void)what;
-        (void)index;
-#endif
+    explicit trace_async_range(const char* what, std::size_t index) noexcept
+        : m_calls(detail::g_trace_calls.load(std::memory_order_acquire)) {
+        if (m_calls != nullptr) {
+            m_id = m_calls->start(what, index);
+        }
     }
     trace_async_range(const trace_async_range&) = delete;
     trace_async_range& operator=(const trace_async_range&) = delete;
     ~trace_async_range() {
-#if CUDAWAIT_HAS_NVTX
-        nvtxDomainRangeEnd(detail::trace_domain(), m_id);
-#endif
+        if (m_calls != nullptr) {
+            m_calls->end(m_id);
+        }
     }
 
 private:
-#if CUDAWAIT_HAS_NVTX
-    nvtxRangeId_t m_id = 0;
-#endif
+    const detail::trace_calls* m_calls; // the tracer that opened the range closes it
+    std::uint64_t m_id = 0;
 };
 
 } // namespace cudawait

@@ -334,8 +334,13 @@ private:
                 check(st, "cudaEventQuery");
                 d.in_flight = false;
             }
-            check(d.kernel->launch(d.beat_stream->get()), "cuLaunchKernel");
-            check(cudaEventRecord(d.beat_done->get(), d.beat_stream->get()), "cudaEventRecord");
+            {
+                // A launch fails on a stream of a device that is not current, and the loop
+                // thread's current device is whatever the code it runs last chose.
+                device_guard on{device_ref(d.device)};
+                check(d.kernel->launch(d.beat_stream->get()), "cuLaunchKernel");
+                check(cudaEventRecord(d.beat_done->get(), d.beat_stream->get()), "cudaEventRecord");
+            }
             d.in_flight = true;
             return progress;
         } catch (const std::exception& e) {
