@@ -334,6 +334,75 @@ INSTANTIATE_TEST_SUITE_P(sizes, multi_split,
                                     std::to_string(c.rest) + (c.pinned ? "_pinned" : "_pageable");
                          });
 
+// ---- chunk groups -----------------------------------------------------------------------------
+
+/// One call of a group stage: what it was given, and whether its device was current.
+struct group_call {
+    std::size_t first_chunk;
+    std::size_t chunks;
+    std::size_t in_size;
+    std::size_t out_size;
+    bool device_current;
+};
+
+/// A group stage that records each call, then launches the transform once per chunk of the
+/// group (the index restarts in each chunk).
+multi_t::stage recording_group_stage(std::shared_ptr<std::vector<group_call>> calls) {
+    return [calls](std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) {
+        int dev = -1;
+        cudawait::check(cudaGetDevice(&dev), "cudaGetDevice");
+        calls->push_back({g.first_chunk, g.chunks, in.size(), out.size(), dev == g.device});
+        for (std::size_t j = 0; j < g.chunks; ++j) {
+            const std::span<u32> i = g.input_chunk(in, j);
+            cudawait::check(cudawait::testing::launch_transform(i.data(),
+                                                                g.output_chunk(out, j).data(),
+                                                                i.size(), salt, 0, g.stream.get()),
+                            "launch_transform");
+        }
+    };
+}
+
+// A group stage stays one in the shards: called once per group with the whole group (not once
+// per chunk with a group of one), with its shard's device current.
+TEST_F(multi_gpu, a_group_stage_is_called_once_per_group_with_the_whole_group) {
+    const std::size_t chunk = 1000;
+    const std::size_t group = 4;
+    const std::size_t chunks = 19; // shard 0: 10 chunks, shard 1: 9 (the last one short)
+    const std::size_t n = chunk * chunks - 250;
+    auto in = random_words(n, 41);
+    auto want = expected(in, chunk);
+    auto calls = std::make_shared<std::vector<group_call>>();
+    multi_pipeline_options o = options_for({0}, 2, chunk, 2);
+    o.per_shard.group_bytes = group * chunk * sizeof(u32);
+    multi_t m(o, {recording_group_stage(calls)});
+    // A batch over pinned ranges moves whole groups.
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    std::copy(in.begin(), in.end(), pin.begin());
+    std::fill(pout.begin(), pout.end(), poison);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, m.run(pin.span(), pout.span()));
+    EXPECT_EQ(first_mismatch(pout.span(), want), n);
+    std::size_t chunks_seen = 0;
+    std::size_t largest = 0;
+    for (const group_call& c : *calls) {
+        chunks_seen += c.chunks;
+        largest = std::max(largest, c.chunks);
+        EXPECT_LE(c.chunks, group) << "group from chunk " << c.first_chunk;
+        // The spans hold every chunk of the group; only the batch's last chunk is short.
+        EXPECT_GE(c.in_size, (c.chunks - 1) * chunk + 1) << "group from chunk " << c.first_chunk;
+        EXPECT_LE(c.in_size, c.chunks * chunk) << "group from chunk " << c.first_chunk;
+        EXPECT_EQ(c.out_size, c.in_size);
+        EXPECT_TRUE(c.device_current) << "group from chunk " << c.first_chunk;
+    }
+    EXPECT_EQ(chunks_seen, chunks) << "every chunk in exactly one call";
+    EXPECT_EQ(largest, group) << "the stage saw no whole group";
+    EXPECT_LE(calls->size(), 6u) << "called per chunk rather than per group";
+    auto st = m.stats();
+    EXPECT_EQ(st.combined.gpu_chunks, chunks);
+    EXPECT_EQ(st.combined.input_bytes, n * sizeof(u32));
+}
+
 TEST_F(multi_gpu, bad_batch_ranges_are_usage_errors) {
     const std::size_t chunk = 1000;
     multi_t m(options_for({0}, 2, chunk), {transform_stage()});
