@@ -403,6 +403,103 @@ TEST_F(multi_gpu, a_group_stage_is_called_once_per_group_with_the_whole_group) {
     EXPECT_EQ(st.combined.input_bytes, n * sizeof(u32));
 }
 
+// ---- a pipeline on a device the driving thread does not have current ---------------------------
+
+class two_gpus : public multi_gpu {
+protected:
+    void SetUp() override {
+        multi_gpu::SetUp();
+        if (!IsSkipped() && cudawait::device_count() < 2) {
+            GTEST_SKIP()
+                << "needs two devices: a pipeline on device 1 driven with device 0 current";
+        }
+    }
+};
+
+int current_device_id() {
+    int dev = -1;
+    cudawait::check(cudaGetDevice(&dev), "cudaGetDevice");
+    return dev;
+}
+
+// A plain pipeline built for device 1 and driven by a thread whose current device is 0: its
+// stages run with device 1 current (plain, captured into graphs, per-chunk and group stages;
+// batch and streaming), no chunk degrades, and the thread's device is 0 again after each call.
+TEST_F(two_gpus, a_pipeline_on_device_1_runs_its_stages_there_while_the_thread_is_on_device_0) {
+    const std::size_t chunk = 10'000;
+    for (int mode = 0; mode < 3; ++mode) { // plain, graph, group stage in groups of 4 chunks
+        SCOPED_TRACE(mode == 0 ? "plain" : mode == 1 ? "graph" : "groups");
+        auto wrong_device = std::make_shared<int>(0);
+        auto calls = std::make_shared<std::vector<group_call>>();
+        int degraded = 0;
+        cudawait::pipeline_options o;
+        o.device = 1;
+        o.chunk_elements = chunk;
+        o.depth = 2;
+        o.graph = mode == 1;
+        o.group_bytes = mode == 2 ? 4 * chunk * sizeof(u32) : 0;
+        o.max_retries = 0;
+        o.on_degrade = [&](const cudawait::chunk_failure&) { ++degraded; };
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        cudawait::pipeline<u32> p(
+            o, {mode == 2 ? recording_group_stage(calls) : transform_stage(wrong_device)});
+        EXPECT_EQ(current_device_id(), 0) << "the constructor left another device current";
+        // A batch over pinned ranges (whole graphs and groups): 9 chunks, the last one short.
+        const std::size_t n = chunk * 9 - 77;
+        auto in = random_words(n, 50 + static_cast<std::uint64_t>(mode));
+        pinned_buffer<u32> pin(n);
+        pinned_buffer<u32> pout(n);
+        std::copy(in.begin(), in.end(), pin.begin());
+        std::fill(pout.begin(), pout.end(), poison);
+        cudawait::scheduler sched;
+        EXPECT_NO_THROW(cudawait::sync_wait(sched, p.run(pin.span(), pout.span())));
+        EXPECT_EQ(first_mismatch(pout.span(), expected(in, chunk)), n);
+        EXPECT_EQ(current_device_id(), 0) << "the batch left another device current";
+        EXPECT_EQ(p.stats().gpu_chunks, 9u);
+        // Streaming: 6 chunks through the pinned slots.
+        std::vector<std::vector<u32>> chunks;
+        for (std::size_t i = 0; i < 6; ++i) {
+            chunks.push_back(random_words(chunk - 5 * i, 900 + i));
+        }
+        std::size_t right = 0;
+        std::size_t consumed = 0;
+        auto produce = [&]() -> cudawait::task<void> {
+            for (const auto& c : chunks) {
+                auto slot = co_await p.acquire();
+                std::fill(slot.data().begin(), slot.data().end(), poison);
+                std::copy(c.begin(), c.end(), slot.data().begin());
+                p.submit(std::move(slot), c.size());
+                EXPECT_EQ(current_device_id(), 0) << "submit left another device current";
+            }
+            p.close();
+        };
+        auto consume = [&]() -> cudawait::task<void> {
+            while (auto r = co_await p.next()) {
+                if (consumed == chunks.size()) {
+                    ADD_FAILURE() << "more results than chunks";
+                    break;
+                }
+                const auto& c = chunks[consumed++];
+                std::vector<u32> want(c.size());
+                cudawait::testing::transform_on_host(c.data(), want.data(), c.size(), salt);
+                right += std::equal(want.begin(), want.end(), r->data().begin(), r->data().end())
+                             ? 1
+                             : 0;
+            }
+        };
+        EXPECT_NO_THROW(cudawait::sync_wait(sched, cudawait::when_all(produce(), consume())));
+        EXPECT_EQ(consumed, chunks.size());
+        EXPECT_EQ(right, chunks.size());
+        EXPECT_EQ(current_device_id(), 0) << "streaming left another device current";
+        EXPECT_EQ(p.stats().gpu_chunks, chunks.size());
+        EXPECT_EQ(degraded, 0) << "chunks degraded (a stage's launch failed)";
+        EXPECT_EQ(*wrong_device, 0) << "a stage ran without the pipeline's device current";
+        for (const group_call& c : *calls) {
+            EXPECT_TRUE(c.device_current) << "group from chunk " << c.first_chunk;
+        }
+    }
+}
+
 TEST_F(multi_gpu, bad_batch_ranges_are_usage_errors) {
     const std::size_t chunk = 1000;
     multi_t m(options_for({0}, 2, chunk), {transform_stage()});

@@ -232,12 +232,9 @@ public:
                     }
                 };
             }
-            std::vector<stage> own;
-            for (const stage& s : m_stages) {
-                own.push_back(detail::on_device(s, dev));
-            }
+            // The shard calls its stages with its device current (pipeline_options::device).
             m_shards.push_back(std::make_unique<shard_pipeline>(
-                std::move(o), std::move(own),
+                std::move(o), m_stages,
                 [this, i](std::size_t c, std::span<const In> in, std::span<Out> out) {
                     rescue(i, c, in, out);
                 }));
