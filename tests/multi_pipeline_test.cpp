@@ -156,7 +156,7 @@ TEST(multi_pipeline, combined_stats_sum_the_shards_and_count_rescues_as_gpu_chun
     b.alerts = 2;
     b.link_peak_gbps = 40;
     b.latency = {0.015, 0.018, 0.050, 0.060, 4};
-    cudawait::detail::multi_run_counts run{2.0, 1, 1};
+    cudawait::detail::multi_run_counts run{2.0, 1, 1, {}};
     pipeline_stats c = cudawait::detail::combine_stats({a, b}, run);
     EXPECT_EQ(c.chunks, 9u);
     EXPECT_EQ(c.gpu_chunks, 3u + 4u + 1u) << "the rescued chunk is a GPU chunk";
@@ -187,6 +187,47 @@ TEST(multi_pipeline, combined_stats_sum_the_shards_and_count_rescues_as_gpu_chun
     // Every shard abandoned: so is the whole.
     b.gpu_abandoned = true;
     EXPECT_TRUE(cudawait::detail::combine_stats({a, b}, run).gpu_abandoned);
+}
+
+// A rescued chunk's bytes count once, on the shard whose chunk it was, as its chunk does; the
+// copy rates stay those of the shards' own copies.
+TEST(multi_pipeline, a_rescued_chunks_bytes_count_on_its_shard_and_in_the_sum) {
+    pipeline_stats a; // 4 chunks: 3 on its GPU (3000 bytes in), 1 rescued by b (1000 in)
+    a.chunks = 4;
+    a.gpu_chunks = 3;
+    a.fallback_chunks = 1;
+    a.input_bytes = 3000;
+    a.output_bytes = 1500;
+    a.h2d_seconds = 1.0;
+    a.d2h_seconds = 0.5;
+    a.wall_seconds = 2.0;
+    a.h2d_gbps = 3000.0 / 1.0 / 1e9;
+    a.throughput_gbps = 3000.0 / 2.0 / 1e9;
+    pipeline_stats b; // 3 chunks on its GPU
+    b.chunks = 3;
+    b.gpu_chunks = 3;
+    b.input_bytes = 2500;
+    b.output_bytes = 1250;
+    b.h2d_seconds = 1.0;
+    b.d2h_seconds = 0.5;
+    b.wall_seconds = 2.5;
+    const cudawait::detail::byte_counts rescued{1000, 500};
+    cudawait::detail::count_rescued(a, rescued);
+    EXPECT_EQ(a.input_bytes, 4000u) << "the shard's 4 chunks";
+    EXPECT_EQ(a.output_bytes, 2000u);
+    EXPECT_DOUBLE_EQ(a.throughput_gbps, 4000.0 / 2.0 / 1e9);
+    EXPECT_DOUBLE_EQ(a.h2d_gbps, 3000.0 / 1.0 / 1e9) << "the shard's own copies' rate";
+    cudawait::detail::count_rescued(b, {});
+    EXPECT_EQ(b.input_bytes, 2500u);
+    cudawait::detail::multi_run_counts run{4.0, 1, 0, rescued};
+    pipeline_stats c = cudawait::detail::combine_stats({a, b}, run);
+    EXPECT_EQ(c.chunks, 7u);
+    EXPECT_EQ(c.gpu_chunks, 7u);
+    EXPECT_EQ(c.input_bytes, 6500u) << "every chunk's bytes once";
+    EXPECT_EQ(c.output_bytes, 3250u);
+    EXPECT_DOUBLE_EQ(c.throughput_gbps, 6500.0 / 4.0 / 1e9);
+    EXPECT_DOUBLE_EQ(c.h2d_gbps, 5500.0 / 2.0 / 1e9) << "only the bytes the copy stages moved";
+    EXPECT_DOUBLE_EQ(c.d2h_gbps, 2750.0 / 1.0 / 1e9);
 }
 
 TEST(multi_pipeline, without_a_device_construction_is_a_cuda_error) {
@@ -818,6 +859,14 @@ TEST_F(multi_gpu, a_chunk_shard_0_gives_up_is_rescued_by_shard_1) {
     EXPECT_FALSE(st.per_shard[0].gpu_abandoned);
     EXPECT_EQ(st.combined.gpu_chunks, 9u) << "a rescued chunk is a GPU chunk";
     EXPECT_EQ(st.combined.fallback_chunks + st.combined.failed_chunks, 0u);
+    // Every chunk's bytes once, on the shard whose chunk it was: the rescued one's on shard 0.
+    EXPECT_EQ(st.per_shard[0].input_bytes, 5 * chunk * sizeof(u32));
+    EXPECT_EQ(st.per_shard[0].output_bytes, 5 * chunk * sizeof(u32));
+    EXPECT_EQ(st.per_shard[1].input_bytes, (3 * chunk + 100) * sizeof(u32));
+    EXPECT_EQ(st.combined.input_bytes, n * sizeof(u32));
+    EXPECT_EQ(st.combined.output_bytes, n * sizeof(u32));
+    EXPECT_DOUBLE_EQ(st.combined.throughput_gbps,
+                     static_cast<double>(n * sizeof(u32)) / st.combined.wall_seconds / 1e9);
 }
 
 TEST_F(multi_gpu, a_streamed_chunk_shard_0_gives_up_is_rescued_in_its_turn) {
@@ -861,6 +910,14 @@ TEST_F(multi_gpu, a_streamed_chunk_shard_0_gives_up_is_rescued_in_its_turn) {
     auto st = m.stats();
     EXPECT_EQ(st.rescued_chunks, 1u);
     EXPECT_EQ(st.combined.gpu_chunks, 6u);
+    std::size_t bytes[2] = {0, 0}; // by shard: the even submissions went to shard 0
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+        bytes[i % 2] += chunks[i].size() * sizeof(u32);
+    }
+    EXPECT_EQ(st.per_shard[0].input_bytes, bytes[0]) << "the rescued chunk 2 counts on shard 0";
+    EXPECT_EQ(st.per_shard[1].input_bytes, bytes[1]);
+    EXPECT_EQ(st.combined.input_bytes, bytes[0] + bytes[1]);
+    EXPECT_EQ(st.combined.output_bytes, bytes[0] + bytes[1]);
 }
 
 TEST_F(multi_gpu, a_chunk_every_shard_fails_goes_to_the_users_fallback_with_its_global_index) {
@@ -894,6 +951,7 @@ TEST_F(multi_gpu, a_chunk_every_shard_fails_goes_to_the_users_fallback_with_its_
     EXPECT_EQ(st.rescued_chunks, 0u);
     EXPECT_EQ(st.combined.gpu_chunks, 7u);
     EXPECT_EQ(st.combined.fallback_chunks, 1u);
+    EXPECT_EQ(st.combined.input_bytes, 7 * chunk * sizeof(u32)) << "the GPUs' chunks, as pipeline";
 }
 
 TEST_F(multi_gpu, without_a_fallback_a_chunk_no_shard_produced_is_named_in_the_error) {

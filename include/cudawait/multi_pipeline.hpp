@@ -65,13 +65,16 @@
 // rescuing GPU, or by the fallback) or reported failed. The rescue blocks the scheduler thread
 // for one chunk, as a host fallback does.
 //
-// Stats. per_shard: each shard's own stats (a rescued chunk counts there as a fallback chunk).
-// combined: the counters summed (chunks, bytes, retries, stage times, depth, alerts), a rescued
-// chunk counted as a GPU chunk and one that failed its rescue without a fallback as failed;
-// wall_seconds is the multi run's own (a streaming session's: from its first acquire to now or
-// its end), throughput over it; the copy rates are one link's average (bytes over the summed
-// stage times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of
-// the shards' (the union's nearest-rank percentile lies between the shards' lowest and highest;
+// Stats. per_shard: each shard's own stats; a chunk of its that another shard rescued counts
+// there as a fallback chunk, with its bytes (input_bytes, output_bytes, throughput_gbps), so a
+// chunk a GPU produced has its bytes counted once, on its own shard (one the user's fallback
+// produced has none counted, as in pipeline). combined: the counters summed (chunks, bytes,
+// retries, stage times, depth, alerts), a rescued chunk counted as a GPU chunk and one that
+// failed its rescue without a fallback as failed; wall_seconds is the multi run's own (a
+// streaming session's: from its first acquire to now or its end), throughput over it; the copy
+// rates are one link's average (the bytes the shards' copy stages moved over the summed stage
+// times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of the
+// shards' (the union's nearest-rank percentile lies between the shards' lowest and highest;
 // exact with one shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
 
 #include <cudawait/device.hpp>
@@ -116,7 +119,7 @@ struct multi_pipeline_options {
 
 /// What a multi_pipeline's last batch run (or its streaming session so far) achieved.
 struct multi_pipeline_stats {
-    std::vector<pipeline_stats> per_shard; ///< each shard's own stats, by shard index
+    std::vector<pipeline_stats> per_shard; ///< each shard's own stats, by shard index (synopsis)
     pipeline_stats combined;               ///< the shards as one (see the synopsis for how)
     std::size_t rescued_chunks = 0;        ///< chunks another shard's GPU produced
     std::vector<int> shard_devices;        ///< the device of each shard
@@ -208,6 +211,7 @@ public:
         const std::size_t count = devices.size() * m_options.shards_per_device;
         m_lanes.resize(count);
         m_abandoned.assign(count, false);
+        m_rescued_bytes.resize(count);
         m_local_to_global.resize(count);
         for (std::size_t i = 0; i < count; ++i) {
             device_ref dev = devices[i % devices.size()];
@@ -360,10 +364,13 @@ public:
     /// What the last batch run (or the streaming session so far) achieved.
     [[nodiscard]] multi_pipeline_stats stats() const {
         multi_pipeline_stats s;
-        for (const auto& p : m_shards) {
-            s.per_shard.push_back(p->stats());
+        detail::multi_run_counts counts{m_wall_seconds, m_rescued, m_failed_rescues, {}};
+        for (std::size_t j = 0; j < m_shards.size(); ++j) {
+            s.per_shard.push_back(m_shards[j]->stats());
+            detail::count_rescued(s.per_shard.back(), m_rescued_bytes[j]);
+            counts.rescued_bytes.input += m_rescued_bytes[j].input;
+            counts.rescued_bytes.output += m_rescued_bytes[j].output;
         }
-        detail::multi_run_counts counts{m_wall_seconds, m_rescued, m_failed_rescues};
         if (m_session_open) {
             counts.wall_seconds = std::chrono::duration<double>(clock::now() - m_started).count();
         }
@@ -431,6 +438,7 @@ private:
     void reset_counts() noexcept {
         m_rescued = 0;
         m_failed_rescues = 0;
+        std::fill(m_rescued_bytes.begin(), m_rescued_bytes.end(), detail::byte_counts{});
         m_wall_seconds = 0;
         m_started = clock::now();
     }
@@ -526,6 +534,8 @@ private:
                 }
                 m_lanes[*by]->run(m_stages, local, in, out);
                 ++m_rescued;
+                m_rescued_bytes[origin].input += in.size_bytes();
+                m_rescued_bytes[origin].output += out.size_bytes();
                 if (!m_batch_running) {
                     m_stream_rescued.insert(global);
                 }
@@ -760,6 +770,8 @@ private:
     std::size_t m_rescue_next = 0;
     std::size_t m_rescued = 0;
     std::size_t m_failed_rescues = 0;
+    /// Per shard: the bytes of its chunks that other shards rescued (its stats lack them).
+    std::vector<detail::byte_counts> m_rescued_bytes;
     double m_wall_seconds = 0;
     clock::time_point m_started{};
     bool m_degrade_threw = false;
