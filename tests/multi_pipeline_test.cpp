@@ -25,6 +25,7 @@
 
 #include <cuda_runtime.h>
 
+#include "counting_device_resource.hpp"
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
 #include "random_words.hpp"
@@ -539,6 +540,122 @@ TEST_F(two_gpus, a_pipeline_on_device_1_runs_its_stages_there_while_the_thread_i
             EXPECT_TRUE(c.device_current) << "group from chunk " << c.first_chunk;
         }
     }
+}
+
+// ---- device memory resources -------------------------------------------------------------------
+
+// device_resource_for gives each shard the resource of its device; the shards' device buffers
+// come from it (and go back to it), and the results are right.
+TEST_F(multi_gpu, device_resource_for_gives_each_shard_its_devices_resource) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    cudawait::testing::device_resource_counts counts;
+    cudawait::testing::counting_device_resource counting(counts);
+    std::vector<int> asked;
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 7 + 5;
+    auto in = random_words(n, 61);
+    std::vector<u32> out(n, poison);
+    {
+        multi_pipeline_options o = options_for({0}, 2, chunk, 2);
+        o.device_resource_for = [&](int dev) {
+            asked.push_back(dev);
+            return cudawait::device_resource(counting);
+        };
+        multi_t m(o, {transform_stage()});
+        EXPECT_EQ(asked, (std::vector<int>{0, 0})) << "once per shard, with its device";
+        // Each shard's slots: input and output of depth 2, and the probe.
+        EXPECT_GE(counts.allocations.load(), 2 * (2 * 2 + 1));
+        EXPECT_EQ(counts.deallocations.load(), 2) << "the probes went back";
+        EXPECT_FALSE(m.shard(1).options().device_resource.is_default());
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, m.run(in, out));
+    }
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_EQ(counts.deallocations.load(), counts.allocations.load());
+    EXPECT_EQ(counts.bytes_freed.load(), counts.bytes_allocated.load());
+#endif
+}
+
+#if CUDAWAIT_HAS_CUDA_MR
+/// Device memory of one device whatever the stream's (cudaMalloc with that device current),
+/// freed once the stream reached the free: as a resource made for one device behaves.
+class one_device_resource {
+public:
+    explicit one_device_resource(int dev) noexcept : m_dev(dev) {}
+    void* allocate_async(std::size_t bytes, std::size_t, ::cuda::stream_ref) {
+        cudawait::device_guard on{cudawait::device_ref(m_dev)};
+        void* p = nullptr;
+        cudawait::check(cudaMalloc(&p, bytes), "cudaMalloc");
+        return p;
+    }
+    void deallocate_async(void* p, std::size_t, std::size_t, ::cuda::stream_ref s) noexcept {
+        cudawait::detail::report(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+        cudawait::detail::report(cudaFree(p), "cudaFree");
+    }
+    void* allocate(::cuda::stream_ref s, std::size_t bytes, std::size_t alignment) {
+        return allocate_async(bytes, alignment, s);
+    }
+    void deallocate(::cuda::stream_ref s, void* p, std::size_t bytes,
+                    std::size_t alignment) noexcept {
+        deallocate_async(p, bytes, alignment, s);
+    }
+    void* allocate(std::size_t bytes, std::size_t alignment) {
+        return allocate_async(bytes, alignment, ::cuda::stream_ref(cudaStreamPerThread));
+    }
+    void deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept {
+        deallocate_async(p, bytes, alignment, ::cuda::stream_ref(cudaStreamPerThread));
+    }
+    void* allocate_sync(std::size_t bytes, std::size_t alignment) {
+        return allocate(bytes, alignment);
+    }
+    void deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept {
+        deallocate(p, bytes, alignment);
+    }
+    bool operator==(const one_device_resource&) const = default;
+    friend void get_property(const one_device_resource&, ::cuda::mr::device_accessible) noexcept {}
+
+private:
+    int m_dev;
+};
+static_assert(cudawait::is_device_resource_v<one_device_resource>);
+#endif
+
+// A resource made for device 0, shared by shards on devices 0 and 1, would place shard 1's
+// buffers on device 0: a usage_error. With device_resource_for each device gets its own.
+TEST_F(two_gpus, a_resource_of_one_device_is_refused_for_another_and_taken_per_device) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    one_device_resource on0(0);
+    one_device_resource on1(1);
+    const std::size_t chunk = 20'000;
+    multi_pipeline_options o = options_for({0, 1}, 1, chunk, 2);
+    o.per_shard.device_resource = on0;
+    try {
+        multi_t m(o, {transform_stage()});
+        ADD_FAILURE() << "device 0's resource was taken for a shard on device 1";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("device 1 gives memory of device 0"),
+                  std::string::npos)
+            << e.what();
+    }
+    o.per_shard.device_resource = {};
+    o.device_resource_for = [&](int dev) {
+        return dev == 0 ? cudawait::device_resource(on0) : cudawait::device_resource(on1);
+    };
+    const std::size_t n = chunk * 9 + 123;
+    auto in = random_words(n, 62);
+    std::vector<u32> out(n, poison);
+    auto wrong_device = std::make_shared<int>(0);
+    multi_t m(o, {transform_stage(wrong_device)});
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, m.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_EQ(*wrong_device, 0);
+    EXPECT_EQ(m.stats().combined.gpu_chunks, 10u);
+#endif
 }
 
 TEST_F(multi_gpu, bad_batch_ranges_are_usage_errors) {

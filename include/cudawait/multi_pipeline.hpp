@@ -12,17 +12,17 @@
 //   mp.stats()    per_shard, combined, rescued_chunks, shard_devices
 //
 // What runs where. The pipeline is split into shards, each a pipeline<In, Out> of its own (its
-// streams, slots, device buffers, pinned staging, monitoring) built with the same stages. There
-// are devices x shards_per_device of them; shard i runs on devices[i % devices.size()], so
-// consecutive shards are on different devices (several shards on one device run side by side
-// on it, which is how the design is tested with one GPU). Device ids are CUDA's (as in
-// cudaSetDevice, under CUDA_VISIBLE_DEVICES); each is listed once; one that names no visible
-// device is a cuda_error (cudaErrorInvalidDevice) from device_ref. per_shard.device is set per
-// shard. Each stage is called with its shard's device current (a kernel launch needs it), and
-// its stage_context names that device; stage_context::chunk is the chunk's index within its
-// shard's run (batch) or the shard's submission index (streaming). Staging and streaming slots
-// come from per_shard.pool, or else from detail::staging_pool_for_device(device)
-// (detail/multi_pool.hpp). With several shards, per_shard.report_path gets ".shard<i>" appended.
+// streams, slots, device buffers, pinned staging, monitoring) built with the same stages. There are
+// devices x shards_per_device of them; shard i runs on devices[i % devices.size()], so consecutive
+// shards are on different devices (several shards on one device run side by side on it, which is
+// how the design is tested with one GPU). Device ids are CUDA's (as in cudaSetDevice, under
+// CUDA_VISIBLE_DEVICES); each is listed once; one that names no visible device is a cuda_error
+// (cudaErrorInvalidDevice) from device_ref. per_shard.device is set per shard. Each stage is called
+// with its shard's device current, which its stage_context names; stage_context::chunk is the
+// chunk's index within its shard's run (batch) or the shard's submission index (streaming). Staging
+// and streaming slots come from per_shard.pool, or else staging_pool_for_device(device), device
+// buffers from device_resource_for(device), or else per_shard.device_resource
+// (detail/multi_pool.hpp). With several shards, report_path gets ".shard<i>" appended.
 //
 // One scheduler. Every shard is driven by the coroutine that drives the multi pipeline, on the
 // one scheduler thread: a batch awaits all shards' parts with when_all, and their GPU work
@@ -65,17 +65,16 @@
 // rescuing GPU, or by the fallback) or reported failed. The rescue blocks the scheduler thread
 // for one chunk, as a host fallback does.
 //
-// Stats. per_shard: each shard's own stats; a chunk of its that another shard rescued counts
-// there as a fallback chunk, with its bytes (input_bytes, output_bytes, throughput_gbps), so a
-// chunk a GPU produced has its bytes counted once, on its own shard (one the user's fallback
-// produced has none counted, as in pipeline). combined: the counters summed (chunks, bytes,
-// retries, stage times, depth, alerts), a rescued chunk counted as a GPU chunk and one that
-// failed its rescue without a fallback as failed; wall_seconds is the multi run's own (a
+// Stats. per_shard: each shard's own stats; a chunk of its that another shard rescued counts there
+// as a fallback chunk, with its bytes: every chunk a GPU produced has its bytes counted once, on
+// its own shard (the user's fallback's none, as in pipeline). combined: the counters summed
+// (chunks, bytes, retries, stage times, depth, alerts), a rescued chunk counted as a GPU chunk and
+// one that failed its rescue without a fallback as failed; wall_seconds is the multi run's own (a
 // streaming session's: from its first acquire to now or its end), throughput over it; the copy
 // rates are one link's average (the bytes the shards' copy stages moved over the summed stage
-// times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of the
-// shards' (the union's nearest-rank percentile lies between the shards' lowest and highest;
-// exact with one shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
+// times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of the shards'
+// (the union's nearest-rank percentile lies between the shards' lowest and highest; exact with one
+// shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -95,6 +94,7 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -115,6 +115,8 @@ struct multi_pipeline_options {
     unsigned shards_per_device = 1;
     /// Each shard's options; `device` is set per shard, `pool` (when null) per device.
     pipeline_options per_shard;
+    /// Each shard's device_resource by its device, else per_shard's (each outlives the pipeline).
+    std::function<device_resource(int device)> device_resource_for;
 };
 
 /// What a multi_pipeline's last batch run (or its streaming session so far) achieved.
@@ -191,9 +193,9 @@ public:
     };
 
     /// @throws usage_error for no stages or an empty one, shards_per_device 0, a zero chunk
-    ///         size, depth or stream count, a device listed twice (before any CUDA call);
-    ///         cuda_error: cudaErrorInvalidDevice for a device id no visible device has, and
-    ///         as pipeline's constructor
+    ///         size, depth or stream count, a device listed twice (before any CUDA call), a
+    ///         shard's device_resource giving another device's memory; cuda_error:
+    ///         cudaErrorInvalidDevice for a device id no visible device has; as pipeline()
     multi_pipeline(multi_pipeline_options options, std::vector<stage> stages,
                    fallback on_gpu_failure = {})
         : m_options(checked(std::move(options), stages)), m_stages(std::move(stages)),
@@ -221,6 +223,8 @@ public:
             if (o.pool == nullptr) {
                 o.pool = &detail::staging_pool_for_device(dev.get());
             }
+            o.device_resource =
+                detail::shard_device_resource(o, m_options.device_resource_for, dev);
             if (!o.report_path.empty() && count > 1) {
                 o.report_path += ".shard" + std::to_string(i);
             }
@@ -236,7 +240,6 @@ public:
                     }
                 };
             }
-            // The shard calls its stages with its device current (pipeline_options::device).
             m_shards.push_back(std::make_unique<shard_pipeline>(
                 std::move(o), m_stages,
                 [this, i](std::size_t c, std::span<const In> in, std::span<Out> out) {
