@@ -923,6 +923,51 @@ TEST_F(multi_gpu, acquire_skips_a_shard_whose_gpu_was_abandoned) {
     EXPECT_EQ(st.combined.gpu_chunks, 4u);
 }
 
+// ---- submit refused ---------------------------------------------------------------------------
+
+// A slot submit() refuses with a usage_error stays the caller's: it can be submitted again, or
+// dropped, which gives it back.
+TEST_F(multi_gpu, a_slot_submit_refuses_stays_the_callers) {
+    const std::size_t chunk = 10'000;
+    multi_t m(options_for({0}, 2, chunk, 1), {transform_stage()});
+    std::vector<std::vector<u32>> chunks{random_words(chunk, 71), random_words(chunk - 9, 72)};
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        auto slot = co_await m.acquire();
+        EXPECT_EQ(slot.shard(), 0u);
+        std::copy(chunks[0].begin(), chunks[0].end(), slot.data().begin());
+        EXPECT_THROW(m.submit(std::move(slot), chunk + 1), usage_error) << "too many elements";
+        EXPECT_THROW(m.submit(std::move(slot), 0), usage_error);
+        EXPECT_EQ(slot.shard(), 0u);
+        EXPECT_EQ(slot.data()[0], chunks[0][0]) << "the slot and its data are still there";
+        m.submit(std::move(slot), chunks[0].size());
+        EXPECT_THROW((void)slot.data(), usage_error) << "submitted: no longer the caller's";
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 0));
+        // After close(): refused, still the caller's; dropped, it goes back (depth 1: shard 1's
+        // only slot), and the session ends.
+        auto held = co_await m.acquire();
+        EXPECT_EQ(held.shard(), 1u);
+        m.close();
+        std::copy(chunks[1].begin(), chunks[1].end(), held.data().begin());
+        EXPECT_THROW(m.submit(std::move(held), chunks[1].size()), usage_error);
+        EXPECT_EQ(held.data()[0], chunks[1][0]);
+        held = {};
+        EXPECT_FALSE(co_await m.next(10s));
+        // A new session from shard 0 takes shard 1's slot in its turn again.
+        auto a = co_await m.acquire(1s);
+        auto b = co_await m.acquire(1s);
+        EXPECT_EQ(b.shard(), 1u) << "shard 1's slot came back";
+        std::copy(chunks[0].begin(), chunks[0].end(), a.data().begin());
+        std::copy(chunks[1].begin(), chunks[1].end(), b.data().begin());
+        m.submit(std::move(a), chunks[0].size());
+        m.submit(std::move(b), chunks[1].size());
+        m.close();
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 0));
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 1));
+        EXPECT_FALSE(co_await m.next(10s));
+    }());
+}
+
 // ---- rescue -----------------------------------------------------------------------------------
 
 /// Fails to launch (a non-sticky launch error) when `fails(ctx)` says so, else the transform.

@@ -311,7 +311,8 @@ public:
     }
 
     /// Starts the slot's chunk of `count` elements on its shard.
-    /// @throws usage_error for an empty slot, a bad count, or after close(); cuda_error
+    /// @throws usage_error for an empty slot or another pipeline's, a bad count, after close():
+    ///         the slot stays the caller's; else (cuda_error, on_degrade's) the slot was taken
     void submit(input_slot&& s, std::size_t count) {
         if (m_closed || !m_session_open) {
             throw usage_error("multi_pipeline::submit: the streaming session is closed");
