@@ -25,6 +25,7 @@
 
 #include <cuda_runtime.h>
 
+#include "counting_device_resource.hpp"
 #include "gpu_fixture.hpp"
 #include "no_device.hpp"
 #include "random_words.hpp"
@@ -156,7 +157,7 @@ TEST(multi_pipeline, combined_stats_sum_the_shards_and_count_rescues_as_gpu_chun
     b.alerts = 2;
     b.link_peak_gbps = 40;
     b.latency = {0.015, 0.018, 0.050, 0.060, 4};
-    cudawait::detail::multi_run_counts run{2.0, 1, 1};
+    cudawait::detail::multi_run_counts run{2.0, 1, 1, {}};
     pipeline_stats c = cudawait::detail::combine_stats({a, b}, run);
     EXPECT_EQ(c.chunks, 9u);
     EXPECT_EQ(c.gpu_chunks, 3u + 4u + 1u) << "the rescued chunk is a GPU chunk";
@@ -187,6 +188,47 @@ TEST(multi_pipeline, combined_stats_sum_the_shards_and_count_rescues_as_gpu_chun
     // Every shard abandoned: so is the whole.
     b.gpu_abandoned = true;
     EXPECT_TRUE(cudawait::detail::combine_stats({a, b}, run).gpu_abandoned);
+}
+
+// A rescued chunk's bytes count once, on the shard whose chunk it was, as its chunk does; the
+// copy rates stay those of the shards' own copies.
+TEST(multi_pipeline, a_rescued_chunks_bytes_count_on_its_shard_and_in_the_sum) {
+    pipeline_stats a; // 4 chunks: 3 on its GPU (3000 bytes in), 1 rescued by b (1000 in)
+    a.chunks = 4;
+    a.gpu_chunks = 3;
+    a.fallback_chunks = 1;
+    a.input_bytes = 3000;
+    a.output_bytes = 1500;
+    a.h2d_seconds = 1.0;
+    a.d2h_seconds = 0.5;
+    a.wall_seconds = 2.0;
+    a.h2d_gbps = 3000.0 / 1.0 / 1e9;
+    a.throughput_gbps = 3000.0 / 2.0 / 1e9;
+    pipeline_stats b; // 3 chunks on its GPU
+    b.chunks = 3;
+    b.gpu_chunks = 3;
+    b.input_bytes = 2500;
+    b.output_bytes = 1250;
+    b.h2d_seconds = 1.0;
+    b.d2h_seconds = 0.5;
+    b.wall_seconds = 2.5;
+    const cudawait::detail::byte_counts rescued{1000, 500};
+    cudawait::detail::count_rescued(a, rescued);
+    EXPECT_EQ(a.input_bytes, 4000u) << "the shard's 4 chunks";
+    EXPECT_EQ(a.output_bytes, 2000u);
+    EXPECT_DOUBLE_EQ(a.throughput_gbps, 4000.0 / 2.0 / 1e9);
+    EXPECT_DOUBLE_EQ(a.h2d_gbps, 3000.0 / 1.0 / 1e9) << "the shard's own copies' rate";
+    cudawait::detail::count_rescued(b, {});
+    EXPECT_EQ(b.input_bytes, 2500u);
+    cudawait::detail::multi_run_counts run{4.0, 1, 0, rescued};
+    pipeline_stats c = cudawait::detail::combine_stats({a, b}, run);
+    EXPECT_EQ(c.chunks, 7u);
+    EXPECT_EQ(c.gpu_chunks, 7u);
+    EXPECT_EQ(c.input_bytes, 6500u) << "every chunk's bytes once";
+    EXPECT_EQ(c.output_bytes, 3250u);
+    EXPECT_DOUBLE_EQ(c.throughput_gbps, 6500.0 / 4.0 / 1e9);
+    EXPECT_DOUBLE_EQ(c.h2d_gbps, 5500.0 / 2.0 / 1e9) << "only the bytes the copy stages moved";
+    EXPECT_DOUBLE_EQ(c.d2h_gbps, 2750.0 / 1.0 / 1e9);
 }
 
 TEST(multi_pipeline, without_a_device_construction_is_a_cuda_error) {
@@ -333,6 +375,288 @@ INSTANTIATE_TEST_SUITE_P(sizes, multi_split,
                              return std::to_string(c.full_chunks) + "_chunks_plus_" +
                                     std::to_string(c.rest) + (c.pinned ? "_pinned" : "_pageable");
                          });
+
+// ---- chunk groups -----------------------------------------------------------------------------
+
+/// One call of a group stage: what it was given, and whether its device was current.
+struct group_call {
+    std::size_t first_chunk;
+    std::size_t chunks;
+    std::size_t in_size;
+    std::size_t out_size;
+    bool device_current;
+};
+
+/// A group stage that records each call, then launches the transform once per chunk of the
+/// group (the index restarts in each chunk).
+multi_t::stage recording_group_stage(std::shared_ptr<std::vector<group_call>> calls) {
+    return [calls](std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) {
+        int dev = -1;
+        cudawait::check(cudaGetDevice(&dev), "cudaGetDevice");
+        calls->push_back({g.first_chunk, g.chunks, in.size(), out.size(), dev == g.device});
+        for (std::size_t j = 0; j < g.chunks; ++j) {
+            const std::span<u32> i = g.input_chunk(in, j);
+            cudawait::check(cudawait::testing::launch_transform(i.data(),
+                                                                g.output_chunk(out, j).data(),
+                                                                i.size(), salt, 0, g.stream.get()),
+                            "launch_transform");
+        }
+    };
+}
+
+// A group stage stays one in the shards: called once per group with the whole group (not once
+// per chunk with a group of one), with its shard's device current.
+TEST_F(multi_gpu, a_group_stage_is_called_once_per_group_with_the_whole_group) {
+    const std::size_t chunk = 1000;
+    const std::size_t group = 4;
+    const std::size_t chunks = 19; // shard 0: 10 chunks, shard 1: 9 (the last one short)
+    const std::size_t n = chunk * chunks - 250;
+    auto in = random_words(n, 41);
+    auto want = expected(in, chunk);
+    auto calls = std::make_shared<std::vector<group_call>>();
+    multi_pipeline_options o = options_for({0}, 2, chunk, 2);
+    o.per_shard.group_bytes = group * chunk * sizeof(u32);
+    multi_t m(o, {recording_group_stage(calls)});
+    // A batch over pinned ranges moves whole groups.
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    std::copy(in.begin(), in.end(), pin.begin());
+    std::fill(pout.begin(), pout.end(), poison);
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, m.run(pin.span(), pout.span()));
+    EXPECT_EQ(first_mismatch(pout.span(), want), n);
+    std::size_t chunks_seen = 0;
+    std::size_t largest = 0;
+    for (const group_call& c : *calls) {
+        chunks_seen += c.chunks;
+        largest = std::max(largest, c.chunks);
+        EXPECT_LE(c.chunks, group) << "group from chunk " << c.first_chunk;
+        // The spans hold every chunk of the group; only the batch's last chunk is short.
+        EXPECT_GE(c.in_size, (c.chunks - 1) * chunk + 1) << "group from chunk " << c.first_chunk;
+        EXPECT_LE(c.in_size, c.chunks * chunk) << "group from chunk " << c.first_chunk;
+        EXPECT_EQ(c.out_size, c.in_size);
+        EXPECT_TRUE(c.device_current) << "group from chunk " << c.first_chunk;
+    }
+    EXPECT_EQ(chunks_seen, chunks) << "every chunk in exactly one call";
+    EXPECT_EQ(largest, group) << "the stage saw no whole group";
+    EXPECT_LE(calls->size(), 6u) << "called per chunk rather than per group";
+    auto st = m.stats();
+    EXPECT_EQ(st.combined.gpu_chunks, chunks);
+    EXPECT_EQ(st.combined.input_bytes, n * sizeof(u32));
+}
+
+// ---- a pipeline on a device the driving thread does not have current ---------------------------
+
+class two_gpus : public multi_gpu {
+protected:
+    void SetUp() override {
+        multi_gpu::SetUp();
+        if (!IsSkipped() && cudawait::device_count() < 2) {
+            GTEST_SKIP()
+                << "needs two devices: a pipeline on device 1 driven with device 0 current";
+        }
+    }
+};
+
+int current_device_id() {
+    int dev = -1;
+    cudawait::check(cudaGetDevice(&dev), "cudaGetDevice");
+    return dev;
+}
+
+// A plain pipeline built for device 1 and driven by a thread whose current device is 0: its
+// stages run with device 1 current (plain, captured into graphs, per-chunk and group stages;
+// batch and streaming), no chunk degrades, and the thread's device is 0 again after each call.
+TEST_F(two_gpus, a_pipeline_on_device_1_runs_its_stages_there_while_the_thread_is_on_device_0) {
+    const std::size_t chunk = 10'000;
+    for (int mode = 0; mode < 3; ++mode) { // plain, graph, group stage in groups of 4 chunks
+        SCOPED_TRACE(mode == 0 ? "plain" : mode == 1 ? "graph" : "groups");
+        auto wrong_device = std::make_shared<int>(0);
+        auto calls = std::make_shared<std::vector<group_call>>();
+        int degraded = 0;
+        cudawait::pipeline_options o;
+        o.device = 1;
+        o.chunk_elements = chunk;
+        o.depth = 2;
+        o.graph = mode == 1;
+        o.group_bytes = mode == 2 ? 4 * chunk * sizeof(u32) : 0;
+        o.max_retries = 0;
+        o.on_degrade = [&](const cudawait::chunk_failure&) { ++degraded; };
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        cudawait::pipeline<u32> p(
+            o, {mode == 2 ? recording_group_stage(calls) : transform_stage(wrong_device)});
+        EXPECT_EQ(current_device_id(), 0) << "the constructor left another device current";
+        // A batch over pinned ranges (whole graphs and groups): 9 chunks, the last one short.
+        const std::size_t n = chunk * 9 - 77;
+        auto in = random_words(n, 50 + static_cast<std::uint64_t>(mode));
+        pinned_buffer<u32> pin(n);
+        pinned_buffer<u32> pout(n);
+        std::copy(in.begin(), in.end(), pin.begin());
+        std::fill(pout.begin(), pout.end(), poison);
+        cudawait::scheduler sched;
+        EXPECT_NO_THROW(cudawait::sync_wait(sched, p.run(pin.span(), pout.span())));
+        EXPECT_EQ(first_mismatch(pout.span(), expected(in, chunk)), n);
+        EXPECT_EQ(current_device_id(), 0) << "the batch left another device current";
+        EXPECT_EQ(p.stats().gpu_chunks, 9u);
+        // Streaming: 6 chunks through the pinned slots.
+        std::vector<std::vector<u32>> chunks;
+        for (std::size_t i = 0; i < 6; ++i) {
+            chunks.push_back(random_words(chunk - 5 * i, 900 + i));
+        }
+        std::size_t right = 0;
+        std::size_t consumed = 0;
+        auto produce = [&]() -> cudawait::task<void> {
+            for (const auto& c : chunks) {
+                auto slot = co_await p.acquire();
+                std::fill(slot.data().begin(), slot.data().end(), poison);
+                std::copy(c.begin(), c.end(), slot.data().begin());
+                p.submit(std::move(slot), c.size());
+                EXPECT_EQ(current_device_id(), 0) << "submit left another device current";
+            }
+            p.close();
+        };
+        auto consume = [&]() -> cudawait::task<void> {
+            while (auto r = co_await p.next()) {
+                if (consumed == chunks.size()) {
+                    ADD_FAILURE() << "more results than chunks";
+                    break;
+                }
+                const auto& c = chunks[consumed++];
+                std::vector<u32> want(c.size());
+                cudawait::testing::transform_on_host(c.data(), want.data(), c.size(), salt);
+                right += std::equal(want.begin(), want.end(), r->data().begin(), r->data().end())
+                             ? 1
+                             : 0;
+            }
+        };
+        EXPECT_NO_THROW(cudawait::sync_wait(sched, cudawait::when_all(produce(), consume())));
+        EXPECT_EQ(consumed, chunks.size());
+        EXPECT_EQ(right, chunks.size());
+        EXPECT_EQ(current_device_id(), 0) << "streaming left another device current";
+        EXPECT_EQ(p.stats().gpu_chunks, chunks.size());
+        EXPECT_EQ(degraded, 0) << "chunks degraded (a stage's launch failed)";
+        EXPECT_EQ(*wrong_device, 0) << "a stage ran without the pipeline's device current";
+        for (const group_call& c : *calls) {
+            EXPECT_TRUE(c.device_current) << "group from chunk " << c.first_chunk;
+        }
+    }
+}
+
+// ---- device memory resources -------------------------------------------------------------------
+
+// device_resource_for gives each shard the resource of its device; the shards' device buffers
+// come from it (and go back to it), and the results are right.
+TEST_F(multi_gpu, device_resource_for_gives_each_shard_its_devices_resource) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    cudawait::testing::device_resource_counts counts;
+    cudawait::testing::counting_device_resource counting(counts);
+    std::vector<int> asked;
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 7 + 5;
+    auto in = random_words(n, 61);
+    std::vector<u32> out(n, poison);
+    {
+        multi_pipeline_options o = options_for({0}, 2, chunk, 2);
+        o.device_resource_for = [&](int dev) {
+            asked.push_back(dev);
+            return cudawait::device_resource(counting);
+        };
+        multi_t m(o, {transform_stage()});
+        EXPECT_EQ(asked, (std::vector<int>{0, 0})) << "once per shard, with its device";
+        // Each shard's slots: input and output of depth 2, and the probe.
+        EXPECT_GE(counts.allocations.load(), 2 * (2 * 2 + 1));
+        EXPECT_EQ(counts.deallocations.load(), 2) << "the probes went back";
+        EXPECT_FALSE(m.shard(1).options().device_resource.is_default());
+        cudawait::scheduler sched;
+        cudawait::sync_wait(sched, m.run(in, out));
+    }
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_EQ(counts.deallocations.load(), counts.allocations.load());
+    EXPECT_EQ(counts.bytes_freed.load(), counts.bytes_allocated.load());
+#endif
+}
+
+#if CUDAWAIT_HAS_CUDA_MR
+/// Device memory of one device whatever the stream's (cudaMalloc with that device current),
+/// freed once the stream reached the free: as a resource made for one device behaves.
+class one_device_resource {
+public:
+    explicit one_device_resource(int dev) noexcept : m_dev(dev) {}
+    void* allocate_async(std::size_t bytes, std::size_t, ::cuda::stream_ref) {
+        cudawait::device_guard on{cudawait::device_ref(m_dev)};
+        void* p = nullptr;
+        cudawait::check(cudaMalloc(&p, bytes), "cudaMalloc");
+        return p;
+    }
+    void deallocate_async(void* p, std::size_t, std::size_t, ::cuda::stream_ref s) noexcept {
+        cudawait::detail::report(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+        cudawait::detail::report(cudaFree(p), "cudaFree");
+    }
+    void* allocate(::cuda::stream_ref s, std::size_t bytes, std::size_t alignment) {
+        return allocate_async(bytes, alignment, s);
+    }
+    void deallocate(::cuda::stream_ref s, void* p, std::size_t bytes,
+                    std::size_t alignment) noexcept {
+        deallocate_async(p, bytes, alignment, s);
+    }
+    void* allocate(std::size_t bytes, std::size_t alignment) {
+        return allocate_async(bytes, alignment, ::cuda::stream_ref(cudaStreamPerThread));
+    }
+    void deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept {
+        deallocate_async(p, bytes, alignment, ::cuda::stream_ref(cudaStreamPerThread));
+    }
+    void* allocate_sync(std::size_t bytes, std::size_t alignment) {
+        return allocate(bytes, alignment);
+    }
+    void deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept {
+        deallocate(p, bytes, alignment);
+    }
+    bool operator==(const one_device_resource&) const = default;
+    friend void get_property(const one_device_resource&, ::cuda::mr::device_accessible) noexcept {}
+
+private:
+    int m_dev;
+};
+static_assert(cudawait::is_device_resource_v<one_device_resource>);
+#endif
+
+// A resource made for device 0, shared by shards on devices 0 and 1, would place shard 1's
+// buffers on device 0: a usage_error. With device_resource_for each device gets its own.
+TEST_F(two_gpus, a_resource_of_one_device_is_refused_for_another_and_taken_per_device) {
+#if !CUDAWAIT_HAS_CUDA_MR
+    GTEST_SKIP() << "cuda::mr is not available";
+#else
+    one_device_resource on0(0);
+    one_device_resource on1(1);
+    const std::size_t chunk = 20'000;
+    multi_pipeline_options o = options_for({0, 1}, 1, chunk, 2);
+    o.per_shard.device_resource = on0;
+    try {
+        multi_t m(o, {transform_stage()});
+        ADD_FAILURE() << "device 0's resource was taken for a shard on device 1";
+    } catch (const usage_error& e) {
+        EXPECT_NE(std::string(e.what()).find("device 1 gives memory of device 0"),
+                  std::string::npos)
+            << e.what();
+    }
+    o.per_shard.device_resource = {};
+    o.device_resource_for = [&](int dev) {
+        return dev == 0 ? cudawait::device_resource(on0) : cudawait::device_resource(on1);
+    };
+    const std::size_t n = chunk * 9 + 123;
+    auto in = random_words(n, 62);
+    std::vector<u32> out(n, poison);
+    auto wrong_device = std::make_shared<int>(0);
+    multi_t m(o, {transform_stage(wrong_device)});
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, m.run(in, out));
+    EXPECT_EQ(first_mismatch(out, expected(in, chunk)), n);
+    EXPECT_EQ(*wrong_device, 0);
+    EXPECT_EQ(m.stats().combined.gpu_chunks, 10u);
+#endif
+}
 
 TEST_F(multi_gpu, bad_batch_ranges_are_usage_errors) {
     const std::size_t chunk = 1000;
@@ -599,6 +923,51 @@ TEST_F(multi_gpu, acquire_skips_a_shard_whose_gpu_was_abandoned) {
     EXPECT_EQ(st.combined.gpu_chunks, 4u);
 }
 
+// ---- submit refused ---------------------------------------------------------------------------
+
+// A slot submit() refuses with a usage_error stays the caller's: it can be submitted again, or
+// dropped, which gives it back.
+TEST_F(multi_gpu, a_slot_submit_refuses_stays_the_callers) {
+    const std::size_t chunk = 10'000;
+    multi_t m(options_for({0}, 2, chunk, 1), {transform_stage()});
+    std::vector<std::vector<u32>> chunks{random_words(chunk, 71), random_words(chunk - 9, 72)};
+    cudawait::scheduler sched;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        auto slot = co_await m.acquire();
+        EXPECT_EQ(slot.shard(), 0u);
+        std::copy(chunks[0].begin(), chunks[0].end(), slot.data().begin());
+        EXPECT_THROW(m.submit(std::move(slot), chunk + 1), usage_error) << "too many elements";
+        EXPECT_THROW(m.submit(std::move(slot), 0), usage_error);
+        EXPECT_EQ(slot.shard(), 0u);
+        EXPECT_EQ(slot.data()[0], chunks[0][0]) << "the slot and its data are still there";
+        m.submit(std::move(slot), chunks[0].size());
+        EXPECT_THROW((void)slot.data(), usage_error) << "submitted: no longer the caller's";
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 0));
+        // After close(): refused, still the caller's; dropped, it goes back (depth 1: shard 1's
+        // only slot), and the session ends.
+        auto held = co_await m.acquire();
+        EXPECT_EQ(held.shard(), 1u);
+        m.close();
+        std::copy(chunks[1].begin(), chunks[1].end(), held.data().begin());
+        EXPECT_THROW(m.submit(std::move(held), chunks[1].size()), usage_error);
+        EXPECT_EQ(held.data()[0], chunks[1][0]);
+        held = {};
+        EXPECT_FALSE(co_await m.next(10s));
+        // A new session from shard 0 takes shard 1's slot in its turn again.
+        auto a = co_await m.acquire(1s);
+        auto b = co_await m.acquire(1s);
+        EXPECT_EQ(b.shard(), 1u) << "shard 1's slot came back";
+        std::copy(chunks[0].begin(), chunks[0].end(), a.data().begin());
+        std::copy(chunks[1].begin(), chunks[1].end(), b.data().begin());
+        m.submit(std::move(a), chunks[0].size());
+        m.submit(std::move(b), chunks[1].size());
+        m.close();
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 0));
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 1));
+        EXPECT_FALSE(co_await m.next(10s));
+    }());
+}
+
 // ---- rescue -----------------------------------------------------------------------------------
 
 /// Fails to launch (a non-sticky launch error) when `fails(ctx)` says so, else the transform.
@@ -652,6 +1021,14 @@ TEST_F(multi_gpu, a_chunk_shard_0_gives_up_is_rescued_by_shard_1) {
     EXPECT_FALSE(st.per_shard[0].gpu_abandoned);
     EXPECT_EQ(st.combined.gpu_chunks, 9u) << "a rescued chunk is a GPU chunk";
     EXPECT_EQ(st.combined.fallback_chunks + st.combined.failed_chunks, 0u);
+    // Every chunk's bytes once, on the shard whose chunk it was: the rescued one's on shard 0.
+    EXPECT_EQ(st.per_shard[0].input_bytes, 5 * chunk * sizeof(u32));
+    EXPECT_EQ(st.per_shard[0].output_bytes, 5 * chunk * sizeof(u32));
+    EXPECT_EQ(st.per_shard[1].input_bytes, (3 * chunk + 100) * sizeof(u32));
+    EXPECT_EQ(st.combined.input_bytes, n * sizeof(u32));
+    EXPECT_EQ(st.combined.output_bytes, n * sizeof(u32));
+    EXPECT_DOUBLE_EQ(st.combined.throughput_gbps,
+                     static_cast<double>(n * sizeof(u32)) / st.combined.wall_seconds / 1e9);
 }
 
 TEST_F(multi_gpu, a_streamed_chunk_shard_0_gives_up_is_rescued_in_its_turn) {
@@ -695,6 +1072,14 @@ TEST_F(multi_gpu, a_streamed_chunk_shard_0_gives_up_is_rescued_in_its_turn) {
     auto st = m.stats();
     EXPECT_EQ(st.rescued_chunks, 1u);
     EXPECT_EQ(st.combined.gpu_chunks, 6u);
+    std::size_t bytes[2] = {0, 0}; // by shard: the even submissions went to shard 0
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+        bytes[i % 2] += chunks[i].size() * sizeof(u32);
+    }
+    EXPECT_EQ(st.per_shard[0].input_bytes, bytes[0]) << "the rescued chunk 2 counts on shard 0";
+    EXPECT_EQ(st.per_shard[1].input_bytes, bytes[1]);
+    EXPECT_EQ(st.combined.input_bytes, bytes[0] + bytes[1]);
+    EXPECT_EQ(st.combined.output_bytes, bytes[0] + bytes[1]);
 }
 
 TEST_F(multi_gpu, a_chunk_every_shard_fails_goes_to_the_users_fallback_with_its_global_index) {
@@ -728,6 +1113,7 @@ TEST_F(multi_gpu, a_chunk_every_shard_fails_goes_to_the_users_fallback_with_its_
     EXPECT_EQ(st.rescued_chunks, 0u);
     EXPECT_EQ(st.combined.gpu_chunks, 7u);
     EXPECT_EQ(st.combined.fallback_chunks, 1u);
+    EXPECT_EQ(st.combined.input_bytes, 7 * chunk * sizeof(u32)) << "the GPUs' chunks, as pipeline";
 }
 
 TEST_F(multi_gpu, without_a_fallback_a_chunk_no_shard_produced_is_named_in_the_error) {

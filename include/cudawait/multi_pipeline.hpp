@@ -12,17 +12,17 @@
 //   mp.stats()    per_shard, combined, rescued_chunks, shard_devices
 //
 // What runs where. The pipeline is split into shards, each a pipeline<In, Out> of its own (its
-// streams, slots, device buffers, pinned staging, monitoring) built with the same stages. There
-// are devices x shards_per_device of them; shard i runs on devices[i % devices.size()], so
-// consecutive shards are on different devices (several shards on one device run side by side
-// on it, which is how the design is tested with one GPU). Device ids are CUDA's (as in
-// cudaSetDevice, under CUDA_VISIBLE_DEVICES); each is listed once; one that names no visible
-// device is a cuda_error (cudaErrorInvalidDevice) from device_ref. per_shard.device is set per
-// shard. Each stage is called with its shard's device current (a kernel launch needs it), and
-// its stage_context names that device; stage_context::chunk is the chunk's index within its
-// shard's run (batch) or the shard's submission index (streaming). Staging and streaming slots
-// come from per_shard.pool, or else from detail::staging_pool_for_device(device)
-// (detail/multi_pool.hpp). With several shards, per_shard.report_path gets ".shard<i>" appended.
+// streams, slots, device buffers, pinned staging, monitoring) built with the same stages. There are
+// devices x shards_per_device of them; shard i runs on devices[i % devices.size()], so consecutive
+// shards are on different devices (several shards on one device run side by side on it, which is
+// how the design is tested with one GPU). Device ids are CUDA's (as in cudaSetDevice, under
+// CUDA_VISIBLE_DEVICES); each is listed once; one that names no visible device is a cuda_error
+// (cudaErrorInvalidDevice) from device_ref. per_shard.device is set per shard. Each stage is called
+// with its shard's device current, which its stage_context names; stage_context::chunk is the
+// chunk's index within its shard's run (batch) or the shard's submission index (streaming). Staging
+// and streaming slots come from per_shard.pool, or else staging_pool_for_device(device), device
+// buffers from device_resource_for(device), or else per_shard.device_resource
+// (detail/multi_pool.hpp). With several shards, report_path gets ".shard<i>" appended.
 //
 // One scheduler. Every shard is driven by the coroutine that drives the multi pipeline, on the
 // one scheduler thread: a batch awaits all shards' parts with when_all, and their GPU work
@@ -65,14 +65,16 @@
 // rescuing GPU, or by the fallback) or reported failed. The rescue blocks the scheduler thread
 // for one chunk, as a host fallback does.
 //
-// Stats. per_shard: each shard's own stats (a rescued chunk counts there as a fallback chunk).
-// combined: the counters summed (chunks, bytes, retries, stage times, depth, alerts), a rescued
-// chunk counted as a GPU chunk and one that failed its rescue without a fallback as failed;
-// wall_seconds is the multi run's own (a streaming session's: from its first acquire to now or
-// its end), throughput over it; the copy rates are one link's average (bytes over the summed
-// stage times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of
-// the shards' (the union's nearest-rank percentile lies between the shards' lowest and highest;
-// exact with one shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
+// Stats. per_shard: each shard's own stats; a chunk of its that another shard rescued counts there
+// as a fallback chunk, with its bytes: every chunk a GPU produced has its bytes counted once, on
+// its own shard (the user's fallback's none, as in pipeline). combined: the counters summed
+// (chunks, bytes, retries, stage times, depth, alerts), a rescued chunk counted as a GPU chunk and
+// one that failed its rescue without a fallback as failed; wall_seconds is the multi run's own (a
+// streaming session's: from its first acquire to now or its end), throughput over it; the copy
+// rates are one link's average (the bytes the shards' copy stages moved over the summed stage
+// times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of the shards'
+// (the union's nearest-rank percentile lies between the shards' lowest and highest; exact with one
+// shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -92,6 +94,7 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -112,11 +115,13 @@ struct multi_pipeline_options {
     unsigned shards_per_device = 1;
     /// Each shard's options; `device` is set per shard, `pool` (when null) per device.
     pipeline_options per_shard;
+    /// Each shard's device_resource by its device, else per_shard's (each outlives the pipeline).
+    std::function<device_resource(int device)> device_resource_for;
 };
 
 /// What a multi_pipeline's last batch run (or its streaming session so far) achieved.
 struct multi_pipeline_stats {
-    std::vector<pipeline_stats> per_shard; ///< each shard's own stats, by shard index
+    std::vector<pipeline_stats> per_shard; ///< each shard's own stats, by shard index (synopsis)
     pipeline_stats combined;               ///< the shards as one (see the synopsis for how)
     std::size_t rescued_chunks = 0;        ///< chunks another shard's GPU produced
     std::vector<int> shard_devices;        ///< the device of each shard
@@ -188,9 +193,9 @@ public:
     };
 
     /// @throws usage_error for no stages or an empty one, shards_per_device 0, a zero chunk
-    ///         size, depth or stream count, a device listed twice (before any CUDA call);
-    ///         cuda_error: cudaErrorInvalidDevice for a device id no visible device has, and
-    ///         as pipeline's constructor
+    ///         size, depth or stream count, a device listed twice (before any CUDA call), a
+    ///         shard's device_resource giving another device's memory; cuda_error:
+    ///         cudaErrorInvalidDevice for a device id no visible device has; as pipeline()
     multi_pipeline(multi_pipeline_options options, std::vector<stage> stages,
                    fallback on_gpu_failure = {})
         : m_options(checked(std::move(options), stages)), m_stages(std::move(stages)),
@@ -208,6 +213,7 @@ public:
         const std::size_t count = devices.size() * m_options.shards_per_device;
         m_lanes.resize(count);
         m_abandoned.assign(count, false);
+        m_rescued_bytes.resize(count);
         m_local_to_global.resize(count);
         for (std::size_t i = 0; i < count; ++i) {
             device_ref dev = devices[i % devices.size()];
@@ -217,6 +223,8 @@ public:
             if (o.pool == nullptr) {
                 o.pool = &detail::staging_pool_for_device(dev.get());
             }
+            o.device_resource =
+                detail::shard_device_resource(o, m_options.device_resource_for, dev);
             if (!o.report_path.empty() && count > 1) {
                 o.report_path += ".shard" + std::to_string(i);
             }
@@ -232,12 +240,8 @@ public:
                     }
                 };
             }
-            std::vector<stage> own;
-            for (const stage& s : m_stages) {
-                own.push_back(detail::on_device(s, dev));
-            }
             m_shards.push_back(std::make_unique<shard_pipeline>(
-                std::move(o), std::move(own),
+                std::move(o), m_stages,
                 [this, i](std::size_t c, std::span<const In> in, std::span<Out> out) {
                     rescue(i, c, in, out);
                 }));
@@ -307,7 +311,8 @@ public:
     }
 
     /// Starts the slot's chunk of `count` elements on its shard.
-    /// @throws usage_error for an empty slot, a bad count, or after close(); cuda_error
+    /// @throws usage_error for an empty slot or another pipeline's, a bad count, after close():
+    ///         the slot stays the caller's; else (cuda_error, on_degrade's) the slot was taken
     void submit(input_slot&& s, std::size_t count) {
         if (m_closed || !m_session_open) {
             throw usage_error("multi_pipeline::submit: the streaming session is closed");
@@ -363,10 +368,13 @@ public:
     /// What the last batch run (or the streaming session so far) achieved.
     [[nodiscard]] multi_pipeline_stats stats() const {
         multi_pipeline_stats s;
-        for (const auto& p : m_shards) {
-            s.per_shard.push_back(p->stats());
+        detail::multi_run_counts counts{m_wall_seconds, m_rescued, m_failed_rescues, {}};
+        for (std::size_t j = 0; j < m_shards.size(); ++j) {
+            s.per_shard.push_back(m_shards[j]->stats());
+            detail::count_rescued(s.per_shard.back(), m_rescued_bytes[j]);
+            counts.rescued_bytes.input += m_rescued_bytes[j].input;
+            counts.rescued_bytes.output += m_rescued_bytes[j].output;
         }
-        detail::multi_run_counts counts{m_wall_seconds, m_rescued, m_failed_rescues};
         if (m_session_open) {
             counts.wall_seconds = std::chrono::duration<double>(clock::now() - m_started).count();
         }
@@ -434,6 +442,7 @@ private:
     void reset_counts() noexcept {
         m_rescued = 0;
         m_failed_rescues = 0;
+        std::fill(m_rescued_bytes.begin(), m_rescued_bytes.end(), detail::byte_counts{});
         m_wall_seconds = 0;
         m_started = clock::now();
     }
@@ -529,6 +538,8 @@ private:
                 }
                 m_lanes[*by]->run(m_stages, local, in, out);
                 ++m_rescued;
+                m_rescued_bytes[origin].input += in.size_bytes();
+                m_rescued_bytes[origin].output += out.size_bytes();
                 if (!m_batch_running) {
                     m_stream_rescued.insert(global);
                 }
@@ -763,6 +774,8 @@ private:
     std::size_t m_rescue_next = 0;
     std::size_t m_rescued = 0;
     std::size_t m_failed_rescues = 0;
+    /// Per shard: the bytes of its chunks that other shards rescued (its stats lack them).
+    std::vector<detail::byte_counts> m_rescued_bytes;
     double m_wall_seconds = 0;
     clock::time_point m_started{};
     bool m_degrade_threw = false;

@@ -189,6 +189,11 @@ struct pipeline_options {
     /// Output elements for a full chunk; 0 means as many as input elements. A chunk of k inputs
     /// has ceil(k * output_elements / chunk_elements) outputs.
     std::size_t output_elements = 0;
+    /// The CUDA device id (as cudaSetDevice takes it) the pipeline runs on: its streams, events
+    /// and slot buffers are made there, and its stages are called (and graphs captured and
+    /// launched) with it current, whichever device the driving thread has current; that one is
+    /// current again after each call. One that names no visible device is a cuda_error
+    /// (cudaErrorInvalidDevice) at construction.
     int device = 0;
     unsigned compute_streams = 1;
     /// Stream priorities; unset: compute streams highest, copy streams lowest.

@@ -48,9 +48,9 @@ struct stage_context {
     /// Launch the chunk's work here: the chunk's compute stream, with `stage_streams` this
     /// stage's own stream, in graph mode the capture stream.
     stream_ref stream;
-    unsigned slot;  ///< the slot the chunk runs on, 0 .. depth-1
-    unsigned stage; ///< this stage's index
-    int device;
+    unsigned slot;     ///< the slot the chunk runs on, 0 .. depth-1
+    unsigned stage;    ///< this stage's index
+    int device;        ///< the pipeline's device (pipeline_options::device), current in the call
     std::size_t chunk; ///< the chunk's index in the batch, or its submission index
     /// The slot's device scratch (pipeline_options::scratch_bytes, 256-byte aligned, the same
     /// bytes for every chunk of the slot, uninitialised); empty when scratch_bytes is 0.
@@ -66,7 +66,7 @@ struct group_context {
     stream_ref stream;
     unsigned slot;  ///< the slot group the chunks run on, 0 .. depth-1
     unsigned stage; ///< this stage's index
-    int device;
+    int device;     ///< the pipeline's device (pipeline_options::device), current in the call
     std::size_t first_chunk; ///< the first chunk's index in the batch, or its submission index
     std::size_t chunks;      ///< chunks in the group, at least 1
     std::size_t in_stride;   ///< input elements of a full chunk in this stage's `in`

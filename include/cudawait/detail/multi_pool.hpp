@@ -1,19 +1,29 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The page-locked pool that staging for one device draws from: on a machine with several NUMA
-// nodes, the pool of the node nearest the device (numa_pinned_pool), so that the DMA does not
-// cross the socket link; on a machine with one node, or where the device's node is unknown,
-// default_pinned_pool().
+// Where a multi_pipeline shard's memory comes from. Staging: the page-locked pool for its
+// device, on a machine with several NUMA nodes the pool of the node nearest the device
+// (numa_pinned_pool), so that the DMA does not cross the socket link; on a machine with one
+// node, or where the device's node is unknown, default_pinned_pool(). Device memory: the
+// resource shard_device_resource() chooses and checks.
 
+#include <cudawait/device.hpp>
+#include <cudawait/device_resource.hpp>
+#include <cudawait/error.hpp>
 #include <cudawait/numa_pool.hpp>
 #include <cudawait/pinned_pool.hpp>
+#include <cudawait/pipeline_options.hpp>
+#include <cudawait/stream.hpp>
 
 #include <cudawait/detail/numa.hpp>
 
 #include <cstddef>
+#include <functional>
 #include <mutex>
+#include <string>
 #include <vector>
+
+#include <cuda_runtime_api.h>
 
 namespace cudawait::detail {
 
@@ -53,6 +63,43 @@ template <class Unused = void>
     }
     int node = cached_device_numa_node<v>(dev);
     return node >= 0 ? numa_pinned_pool<v>(node) : default_pinned_pool<v>();
+}
+
+/// The device_resource of the shard on `dev` whose options are `o`: `per_device(dev)` when set,
+/// else o.device_resource. It is checked with one allocation, made on a stream of `dev`, looked
+/// at and freed: the memory must be `dev`'s, or memory of no one device (managed, mapped host).
+/// This finds a resource made for one device (RMM's per-device resources, say) given to shards
+/// on another. The default resource is not probed: it allocates on the stream's device.
+/// @throws usage_error when the memory is another device's; cuda_error; what the resource or
+///         `per_device` throws
+template <class Unused = void>
+[[nodiscard]] device_resource
+shard_device_resource(const pipeline_options& o,
+                      const std::function<device_resource(int)>& per_device, device_ref dev) {
+    device_resource r = per_device ? per_device(dev.get()) : o.device_resource;
+    if (r.is_default()) {
+        return r;
+    }
+    stream s(dev);
+    void* p = r.allocate(device_resource::alignment, s);
+    cudaPointerAttributes a{};
+    try {
+        s.sync(); // allocated by now
+        check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
+    } catch (...) {
+        r.deallocate(p, device_resource::alignment, s);
+        throw;
+    }
+    r.deallocate(p, device_resource::alignment, s);
+    s.sync(); // freed before the stream goes
+    if (a.type == cudaMemoryTypeDevice && a.device != dev.get()) {
+        throw usage_error("multi_pipeline: the device_resource of a shard on device " +
+                          std::to_string(dev.get()) + " gives memory of device " +
+                          std::to_string(a.device) +
+                          " (multi_pipeline_options::device_resource_for gives each device its "
+                          "own resource)");
+    }
+    return r;
 }
 
 } // namespace cudawait::detail

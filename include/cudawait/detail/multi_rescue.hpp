@@ -2,10 +2,6 @@
 #pragma once
 
 // What multi_pipeline adds around each shard's pipeline, below the facade:
-//   on_device(stage, dev)   a stage called with `dev` current: a kernel launch fails on a stream
-//                           of a device that is not current (a copy or an event wait does not),
-//                           and the shards of one scheduler run on one thread, so the device is
-//                           set for each call rather than once.
 //   rescue_lane<In, Out>    one shard's means to compute another shard's chunk: a stream and
 //                           device buffers for one chunk on its device, made on the first
 //                           rescue; run() copies in, calls the stages, copies out and waits.
@@ -28,16 +24,6 @@
 #include <cuda_runtime_api.h>
 
 namespace cudawait::detail {
-
-/// `stage`, called with `dev` current (and the previous device restored after it).
-template <class In, class Out>
-[[nodiscard]] pipeline_stage<In, Out> on_device(pipeline_stage<In, Out> stage, device_ref dev) {
-    return [stage = std::move(stage), dev](std::span<In> in, std::span<Out> out,
-                                           const stage_context& ctx) {
-        device_guard guard(dev);
-        stage(in, out, ctx);
-    };
-}
 
 /// A stream and one chunk's device buffers on a device, to run other shards' chunks through
 /// the stages synchronously. Buffers as a pipeline slot's: input, output, a middle buffer for

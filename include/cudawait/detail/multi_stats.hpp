@@ -12,16 +12,38 @@
 
 namespace cudawait::detail {
 
+/// Input and output bytes.
+struct byte_counts {
+    std::size_t input = 0;
+    std::size_t output = 0;
+};
+
 /// What the multi pipeline itself knows about the run that the shards' counters do not.
 struct multi_run_counts {
     double wall_seconds = 0;       ///< the run's (or the session's) own wall time
     std::size_t rescued = 0;       ///< chunks another shard's GPU produced after a give-up
     std::size_t failed_rescue = 0; ///< given up, not rescued, and no fallback: failed
+    /// The rescued chunks' bytes (count_rescued added them to the shards' stats; no copy stage
+    /// of a shard moved them).
+    byte_counts rescued_bytes;
 };
 
-/// The shards' stats as one pipeline_stats. A rescued chunk is counted by its shard as a
-/// fallback chunk (the shard called its fallback, which the rescue is); here it is a GPU chunk,
-/// and a chunk that neither a rescue nor the user's fallback produced is a failed one.
+/// Adds the bytes of a shard's chunks that other shards rescued to its stats `s` (the shard
+/// counts those chunks, as fallback chunks, but not their bytes): input_bytes, output_bytes and
+/// throughput_gbps then cover every chunk of the shard that a GPU produced. The copy rates stay
+/// those of the shard's own copies.
+inline void count_rescued(pipeline_stats& s, const byte_counts& rescued) {
+    s.input_bytes += rescued.input;
+    s.output_bytes += rescued.output;
+    s.throughput_gbps =
+        s.wall_seconds > 0 ? static_cast<double>(s.input_bytes) / s.wall_seconds / 1e9 : 0;
+}
+
+/// The shards' stats (with count_rescued applied) as one pipeline_stats. A rescued chunk is
+/// counted by its shard as a fallback chunk (the shard called its fallback, which the rescue
+/// is); here it is a GPU chunk, and a chunk that neither a rescue nor the user's fallback
+/// produced is a failed one. The bytes are summed: each chunk's count once, on the shard whose
+/// chunk it was.
 [[nodiscard]] inline pipeline_stats combine_stats(const std::vector<pipeline_stats>& shards,
                                                   const multi_run_counts& run) {
     pipeline_stats c;
@@ -66,9 +88,13 @@ struct multi_run_counts {
     c.gpu_abandoned = all_abandoned;
     c.link_peak_gbps = lowest_peak;
     c.wall_seconds = run.wall_seconds;
-    // The copy rates are those of one link on average (bytes over the summed stage times).
-    c.h2d_gbps = c.h2d_seconds > 0 ? static_cast<double>(c.input_bytes) / c.h2d_seconds / 1e9 : 0;
-    c.d2h_gbps = c.d2h_seconds > 0 ? static_cast<double>(c.output_bytes) / c.d2h_seconds / 1e9 : 0;
+    // The copy rates are those of one link on average: the bytes the shards' copy stages moved
+    // (not the rescued chunks', which no stage time covers) over the summed stage times.
+    const std::size_t copied_in = c.input_bytes - std::min(c.input_bytes, run.rescued_bytes.input);
+    const std::size_t copied_out =
+        c.output_bytes - std::min(c.output_bytes, run.rescued_bytes.output);
+    c.h2d_gbps = c.h2d_seconds > 0 ? static_cast<double>(copied_in) / c.h2d_seconds / 1e9 : 0;
+    c.d2h_gbps = c.d2h_seconds > 0 ? static_cast<double>(copied_out) / c.d2h_seconds / 1e9 : 0;
     c.throughput_gbps =
         c.wall_seconds > 0 ? static_cast<double>(c.input_bytes) / c.wall_seconds / 1e9 : 0;
     const double transfer = std::max(c.h2d_seconds, c.d2h_seconds);

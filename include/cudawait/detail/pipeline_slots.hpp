@@ -626,10 +626,13 @@ private:
     // (s.stage_done). A slot's next chunk reaches its stages only after this one's finished (see
     // the top of this file), so dev_mid and the scratch need no events of their own. `plain`:
     // not capturing, so launch errors are checked and, when a stage throws, s.compute_done is
-    // recorded after what did launch (it must finish before the slot is reused). Returns the
+    // recorded after what did launch (it must finish before the slot is reused). The stages are
+    // called with the pipeline's device current (a kernel launch on a stream of another device
+    // fails), whatever device the calling thread had; it is restored after them. Returns the
     // last stage's stream.
     stream_ref launch_stages(const flight& f, slot& sl, stream_ref first, bool own_streams,
                              bool plain) {
+        device_guard current(device_ref(options.device));
         const std::size_t n = stages.size();
         std::span<In> din(device_in(f, sl), f.count);
         std::span<Out> dout(device_out(f, sl), f.output_count);
@@ -687,10 +690,12 @@ private:
     }
 
     // The slot's graph is built with the first full chunk's host pointers; later chunks set
-    // theirs.
+    // theirs. The graph is built (captured, instantiated), retargeted and launched with the
+    // pipeline's device current, as the stages are called.
     void enqueue_graph(flight& f, slot& sl, const In* src, Out* dst, std::vector<event>* t) {
         using m = dependent_t<In, pipeline_monitor>;
         trace_range r("graph", f.chunk);
+        device_guard current(device_ref(options.device));
         if (!sl.graph) {
             sl.graph.build(sl.dev_in.data(), src, f.count * sizeof(In), dst, sl.dev_out.data(),
                            f.output_count * sizeof(Out), device_ref(options.device),
