@@ -25,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -708,6 +709,52 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
         }
     }
     std::atomic_ref<u32>(release_flag[0]).store(1); // let the kernel finish before teardown
+}
+
+/// What the fallback of the wait tests writes: not what the GPU computes.
+constexpr u32 fallback_mark = 0xfa11u;
+
+// A timed wait that cannot be set up (no relay stream for with_timeout) while the chunks' kernels
+// still run is no failure of theirs: no chunk goes to the fallback while its copies may land, the
+// output is the GPU's, and it is all in place when run() returns.
+TEST_F(pipeline_gpu, a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 4;
+    auto in = random_words(n, 14);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, in);
+    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+    std::vector<std::size_t> fallback_calls;
+    std::vector<cudawait::chunk_failure> log;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.chunk_timeout = 10s;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    // 150 ms per kernel, one after the other: the first wait starts while all four are queued.
+    pipe_t p(o, {transform_stage(150'000'000)},
+             [&](std::size_t c, std::span<const u32>, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 std::fill(b.begin(), b.end(), fallback_mark);
+             });
+    cudawait::scheduler sched;
+    cudawait::detail::g_failing_relay_acquires = 1; // the first timed wait
+    cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+    const int not_failed = cudawait::detail::g_failing_relay_acquires.exchange(0);
+    std::vector<u32> at_return(pout.begin(), pout.end());
+    std::this_thread::sleep_for(400ms); // a copy still in flight lands meanwhile
+    std::vector<u32> later(pout.begin(), pout.end());
+    ASSERT_EQ(not_failed, 0) << "no wait was set up";
+    EXPECT_TRUE(fallback_calls.empty())
+        << "chunk " << fallback_calls.front() << " went to the fallback while the GPU ran it";
+    EXPECT_TRUE(log.empty()) << to_string(log.front().action) << ": " << log.front().error.what;
+    EXPECT_EQ(first_mismatch(at_return, expected(in, chunk)), n);
+    EXPECT_EQ(first_mismatch(later, at_return), n) << "the output changed after run() returned";
+    auto st = p.stats();
+    EXPECT_FALSE(st.gpu_abandoned);
+    EXPECT_EQ(st.gpu_chunks, 4u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
 }
 
 // A kernel fault kills the context: every chunk not yet seen complete goes to the fallback.
@@ -2501,6 +2548,61 @@ TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_o
     EXPECT_EQ(st.gpu_chunks, 1u);
     EXPECT_EQ(st.failed_chunks, 2u);
     EXPECT_EQ(st.fallback_chunks, 1u);
+}
+
+// Streaming, as a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu: next() delivers the
+// GPU's output, which nothing writes after it was delivered, and the slot goes back only then.
+TEST_F(pipeline_gpu, streaming_delivers_the_gpu_output_when_a_wait_cannot_be_set_up) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 3; ++i) {
+        chunks.push_back(random_words(chunk, 520 + i));
+    }
+    std::vector<std::size_t> fallback_calls;
+    std::vector<cudawait::chunk_failure> log;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.chunk_timeout = 10s;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    pipe_t p(o, {transform_stage(150'000'000)},
+             [&](std::size_t c, std::span<const u32>, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 std::fill(b.begin(), b.end(), fallback_mark);
+             });
+    cudawait::scheduler sched;
+    int not_failed = -1;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 3; ++i) {
+            co_await submit_chunk(p, chunks[i]);
+        }
+        cudawait::detail::g_failing_relay_acquires = 1; // chunk 0's timed wait
+        for (std::size_t i = 0; i < 3; ++i) {
+            auto r = co_await p.next();
+            if (i == 0) {
+                not_failed = cudawait::detail::g_failing_relay_acquires.exchange(0);
+            }
+            EXPECT_TRUE(right_result(r, chunks, i));
+            EXPECT_TRUE(r && !r->by_fallback()) << "chunk " << i;
+            if (i == 0 && r) {
+                std::vector<u32> delivered(r->data().begin(), r->data().end());
+                co_await cudawait::sleep_for(400ms); // a copy still in flight lands meanwhile
+                EXPECT_TRUE(std::equal(delivered.begin(), delivered.end(), r->data().begin(),
+                                       r->data().end()))
+                    << "the result changed after next() delivered it";
+            }
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    ASSERT_EQ(not_failed, 0) << "no wait was set up";
+    EXPECT_TRUE(fallback_calls.empty())
+        << "chunk " << fallback_calls.front() << " went to the fallback while the GPU ran it";
+    EXPECT_TRUE(log.empty()) << to_string(log.front().action) << ": " << log.front().error.what;
+    auto st = p.stats();
+    EXPECT_FALSE(st.gpu_abandoned);
+    EXPECT_EQ(st.gpu_chunks, 3u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
 }
 
 TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streaming) {

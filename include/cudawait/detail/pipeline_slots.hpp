@@ -2,7 +2,9 @@
 #pragma once
 
 // The pipeline's slots and the enqueue of one chunk: no waiting on the host here (the drivers,
-// detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await).
+// detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await, through
+// await_completion: it tells an error the chunk's completion reported from one in setting the
+// wait up, which leaves the chunk's work running).
 //
 // Who waits on what. Each slot owns device buffers (dev_in, dev_out, dev_mid for chained
 // stages, and the stages' scratch) and three events, recorded after each use of them. A chunk on
@@ -56,7 +58,10 @@
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/pipeline_stage.hpp>
+#include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
+#include <cudawait/task.hpp>
+#include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/bulk_streams.hpp>
@@ -73,6 +78,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -241,6 +247,47 @@ struct pipeline_flight {
 /// A cuda_error as a chunk_error.
 inline chunk_error chunk_error_of(const cuda_error& e) {
     return chunk_error{e.status(), e.sticky(), false, nullptr, e.what()};
+}
+
+/// True when `e`, from a wait for a chunk's completion, is what the completion reported (the
+/// query of the event: api() "cudaEventQuery") or sticky: the chunk's work will not complete.
+/// Any other error came from setting the wait up (an event or a relay stream not made, a
+/// record, the scheduler's bookkeeping), while the chunk's work may still be running.
+[[nodiscard]] inline bool reported_by_completion(const cuda_error& e) noexcept {
+    return e.sticky() || std::string_view(e.api()) == "cudaEventQuery";
+}
+
+/// Waits for a chunk's completion event `done`, for at most `limit` when it is positive (then
+/// timeout_error). A cuda_error it throws is one the completion reported. A wait that cannot be
+/// set up is no failure of the chunk, whose copies may still be landing: `done` is then polled,
+/// with sleeps on the scheduler, until it completes or `limit` passed.
+/// @throws timeout_error; cuda_error (reported_by_completion); what a sleep throws
+template <class Unused = void>
+task<void> await_completion(event_ref done, std::chrono::nanoseconds limit) {
+    using clock = std::chrono::steady_clock;
+    const clock::time_point until = clock::now() + limit;
+    try {
+        if (limit.count() > 0) {
+            co_await with_timeout(done, limit);
+        } else {
+            co_await done;
+        }
+        co_return;
+    } catch (const cuda_error& e) {
+        if (reported_by_completion(e)) {
+            throw;
+        }
+    } catch (const std::bad_alloc&) {
+        // No memory for the wait's state: not the chunk's failure either.
+    }
+    std::chrono::microseconds pause(50);
+    while (!done.is_done()) {
+        if (limit.count() > 0 && clock::now() >= until) {
+            throw timeout_error(limit);
+        }
+        co_await sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(2000));
+    }
 }
 
 /// What both drivers share: the options, stages and fallback, the streams, the slots, the

@@ -491,7 +491,7 @@ private:
     struct wait_outcome {
         bool timed_out = false; ///< not complete (yet)
         bool by_caller = false; ///< the caller's deadline passed, not chunk_timeout
-        chunk_error error;      ///< a CUDA error seen while waiting
+        chunk_error error;      ///< a CUDA error the completion reported
     };
 
     // Chunks submitted and not taken: queue_capacity groups' worth.
@@ -667,17 +667,17 @@ private:
         wait_outcome w;
         try {
             if (!until) {
-                co_await event_ref(f.done);
+                co_await await_completion(event_ref(f.done), {});
             } else if (auto left = *until - clock::now(); left.count() > 0) {
-                co_await with_timeout(event_ref(f.done),
-                                      std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+                co_await await_completion(
+                    event_ref(f.done), std::chrono::duration_cast<std::chrono::nanoseconds>(left));
             } else if (!event_ref(f.done).is_done()) {
                 w.timed_out = true; // a deadline already passed: a poll
             }
         } catch (const timeout_error&) {
             w.timed_out = true;
         } catch (const cuda_error& e) {
-            w.error = chunk_error_of(e);
+            w.error = chunk_error_of(e); // reported by the completion (await_completion)
         }
         w.by_caller = w.timed_out && by_caller;
         co_return w;
