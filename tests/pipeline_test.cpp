@@ -2491,6 +2491,93 @@ TEST_F(pipeline_gpu, streaming_waits_again_for_a_slow_chunk_with_less_depth) {
     }
 }
 
+// on_degrade throwing when next() waits again for a slow chunk: the caller gets the exception,
+// the chunk stays first in line (a later next() delivers it, once), and its slot comes back.
+TEST_F(pipeline_gpu, streaming_keeps_a_chunk_waited_for_again_when_on_degrade_throws) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 4; ++i) {
+        chunks.push_back(random_words(chunk, 540 + i));
+    }
+    struct degrade_refused {};
+    std::size_t thrown = 0;
+    auto calls = std::make_shared<int>(0);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.chunk_timeout = 40ms;
+    o.max_retries = 50;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) {
+        if (f.action == cudawait::degrade_action::waited_again) {
+            ++thrown;
+            throw degrade_refused{};
+        }
+    };
+    // Chunk 1's kernel takes 300 ms: several chunk_timeouts, then it finishes.
+    pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                 std::uint64_t spin = (*calls)++ == 1 ? 300'000'000 : 0;
+                 cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
+                                                                     salt, spin, s.get()),
+                                 "launch_transform");
+             }},
+             host_fallback);
+    cudawait::scheduler sched;
+    std::vector<std::size_t> delivered;
+    std::size_t caught = 0;
+    auto take = [&]() -> cudawait::task<bool> { // false: no chunk within 2 s
+        try {
+            auto r = co_await p.next(2s);
+            EXPECT_TRUE(right_result(r, chunks, delivered.size()));
+            EXPECT_TRUE(r && !r->by_fallback());
+            if (r) {
+                delivered.push_back(r->chunk());
+            }
+        } catch (const degrade_refused&) {
+            ++caught;
+        } catch (const cudawait::timeout_error&) {
+            co_return false;
+        }
+        co_return true;
+    };
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 2; ++i) {
+            co_await submit_chunk(p, chunks[i]);
+        }
+        while (delivered.size() < 2 && caught < 100) {
+            if (!co_await take()) {
+                ADD_FAILURE() << "chunk " << delivered.size() << " was not delivered";
+                break;
+            }
+        }
+        // Both slots serve the producer again, at once.
+        std::vector<pipe_t::input_slot> slots;
+        for (std::size_t i = 2; i < 4; ++i) {
+            try {
+                slots.push_back(co_await p.acquire(1s));
+            } catch (const cudawait::timeout_error&) {
+                ADD_FAILURE() << "slot " << i << " did not come back";
+                co_return;
+            }
+        }
+        for (std::size_t i = 2; i < 4; ++i) {
+            auto& slot = slots[i - 2];
+            std::copy(chunks[i].begin(), chunks[i].end(), slot.data().begin());
+            p.submit(std::move(slot), chunks[i].size());
+        }
+        while (delivered.size() < 4 && co_await take()) {
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next(2s));
+    }());
+    EXPECT_GE(caught, 1u);
+    EXPECT_EQ(caught, thrown) << "every throw of on_degrade reached next()'s caller";
+    EXPECT_EQ(delivered, (std::vector<std::size_t>{0, 1, 2, 3}));
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 4u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks, 0u);
+    EXPECT_EQ(st.retries, thrown);
+}
+
 TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_order) {
     const std::size_t chunk = 10'000;
     std::vector<std::vector<u32>> chunks;

@@ -327,7 +327,8 @@ public:
     /// The next chunk's output, in submission order; std::nullopt once closed and drained,
     /// which ends the streaming session (a later call waits for the next session's chunks).
     /// @throws pipeline_error when the chunk failed and no fallback took it; what the fallback
-    ///         throws (the chunk is then counted failed)
+    ///         throws (the chunk is then counted failed); what on_degrade throws when the chunk
+    ///         is waited for again (it then stays first in line)
     [[nodiscard]] task<std::optional<result>> next() { return m_stream.next(); }
 
     /// next() that gives up after `timeout` (from this call): the chunk it waited for is not
