@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <new>
 #include <optional>
 #include <random>
 #include <set>
@@ -38,6 +39,34 @@
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
 
+// ---- allocation probes: this program's operator new counts, and can refuse, the calling
+// thread's allocations while an allocation_probe lives ----------------------------------------
+
+namespace {
+thread_local bool t_probing = false;
+thread_local bool t_refusing = false;
+thread_local std::size_t t_allocations = 0;
+} // namespace
+
+// Not inlined: g++ would then see free() meet a pointer from operator new and warn.
+[[gnu::noinline]] void* operator new(std::size_t n) {
+    if (t_probing) {
+        ++t_allocations;
+        if (t_refusing) {
+            throw std::bad_alloc();
+        }
+    }
+    if (void* p = std::malloc(n == 0 ? 1 : n)) {
+        return p;
+    }
+    throw std::bad_alloc();
+}
+[[gnu::noinline]] void* operator new[](std::size_t n) { return ::operator new(n); }
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -53,6 +82,24 @@ using pipe_t = pipeline<u32>;
 constexpr u32 salt = 0x5eed;
 
 using cudawait::testing::random_words;
+
+/// Counts the allocations the calling thread makes while it lives; with `refuse`, each throws
+/// std::bad_alloc instead. No gtest assertion inside its scope (they allocate).
+class allocation_probe {
+public:
+    explicit allocation_probe(bool refuse = false) noexcept {
+        t_allocations = 0;
+        t_refusing = refuse;
+        t_probing = true;
+    }
+    allocation_probe(const allocation_probe&) = delete;
+    allocation_probe& operator=(const allocation_probe&) = delete;
+    ~allocation_probe() {
+        t_probing = false;
+        t_refusing = false;
+    }
+    [[nodiscard]] std::size_t count() const noexcept { return t_allocations; }
+};
 
 /// The host result of the transform stage, chunk by chunk (the index restarts in each chunk).
 std::vector<u32> expected(const std::vector<u32>& in, std::size_t chunk) {
@@ -2093,6 +2140,43 @@ TEST(pipeline_wait_list, wait_until_ends_at_the_deadline_or_at_a_notify_never_bo
     EXPECT_LT(woke[0].second, 5.0);
 }
 
+// A notify on a noexcept path (a slot given back) whose resumes the scheduler cannot queue for
+// want of memory neither throws nor drops the waiters: the next notify resumes them.
+TEST(pipeline_wait_list, a_notify_that_cannot_queue_a_resume_keeps_its_waiters) {
+    cudawait::scheduler sched;
+    cudawait::detail::wait_list list;
+    std::vector<bool> woke; // notified, per waiter resumed
+    auto waiter = [&]() -> cudawait::task<void> {
+        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        woke.push_back(co_await list.wait_until(s, clock_type::now() + 5s));
+    };
+    std::size_t refused = 0;
+    bool threw = false;
+    std::size_t woke_before = 99;
+    auto notifier = [&]() -> cudawait::task<void> {
+        co_await cudawait::sleep_for(20ms); // both wait by now
+        {
+            allocation_probe probe(true);
+            try {
+                list.notify_all();
+            } catch (...) {
+                threw = true;
+            }
+            refused = probe.count();
+        }
+        co_await cudawait::sleep_for(20ms);
+        woke_before = woke.size();
+        list.notify_all();
+    };
+    const auto t0 = clock_type::now();
+    cudawait::sync_wait(sched, cudawait::when_all(waiter(), waiter(), notifier()));
+    ASSERT_GT(refused, 0u) << "queueing the resumes allocated nothing: no failure to test";
+    EXPECT_FALSE(threw);
+    EXPECT_EQ(woke_before, 0u) << "a resume that could not be queued happened";
+    EXPECT_EQ(woke, (std::vector<bool>{true, true})) << "both notified, neither timed out";
+    EXPECT_LT(ms_since(t0), 2000.0);
+}
+
 /// Fills a slot with `c` and submits it.
 cudawait::task<void> submit_chunk(pipe_t& p, const std::vector<u32>& c) {
     auto slot = co_await p.acquire();
@@ -2394,6 +2478,90 @@ TEST_F(pipeline_gpu, slots_of_given_up_chunks_serve_the_producer_again) {
     EXPECT_EQ(st.chunks, 5u);
     EXPECT_EQ(st.failed_chunks, 2u);
     EXPECT_EQ(st.fallback_chunks, 3u);
+}
+
+// Giving a slot back (an input_slot dropped, a result destroyed: noexcept destructors) makes no
+// allocation, however often it happens.
+TEST_F(pipeline_gpu, giving_slots_back_allocates_nothing) {
+    const std::size_t chunk = 1000;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    pipe_t p(o, {transform_stage()}, host_fallback);
+    std::vector<std::vector<u32>> chunks{random_words(chunk, 560)};
+    cudawait::scheduler sched;
+    std::size_t allocations = 0;
+    std::size_t wrong = 0;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (int i = 0; i < 200; ++i) {
+            auto slot = co_await p.acquire();
+            if (i % 2 == 0) {
+                allocation_probe probe;
+                { pipe_t::input_slot dropped = std::move(slot); }
+                allocations += probe.count();
+                continue;
+            }
+            std::copy(chunks[0].begin(), chunks[0].end(), slot.data().begin());
+            p.submit(std::move(slot), chunk);
+            auto r = co_await p.next();
+            if (!r || r->by_fallback() ||
+                !std::equal(r->data().begin(), r->data().end(),
+                            expected(chunks[0], chunk).begin())) {
+                ++wrong;
+            }
+            allocation_probe probe;
+            r.reset();
+            allocations += probe.count();
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    EXPECT_EQ(allocations, 0u);
+    EXPECT_EQ(wrong, 0u);
+}
+
+// The last chunk of a slot group given up after chunk_timeout, given back: the group's pinned
+// buffers move to the abandoned ones without an allocation.
+TEST_F(pipeline_gpu, giving_back_a_slot_group_given_up_allocates_nothing) {
+    const std::size_t chunk = 1000;
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.group_bytes = 2 * chunk * sizeof(u32); // two chunks per slot group
+    o.chunk_timeout = 30ms;
+    o.max_retries = 0;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))},
+             host_fallback);
+    auto in = random_words(chunk, 570);
+    cudawait::scheduler sched;
+    std::size_t allocations = 99;
+    std::vector<std::size_t> failed;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        auto first = co_await p.acquire(1s);
+        auto second = co_await p.acquire(1s); // the group's second chunk
+        std::copy(in.begin(), in.end(), first.data().begin());
+        p.submit(std::move(first), chunk);
+        try {
+            (void)co_await p.next(5s); // the first chunk hangs: given up
+            ADD_FAILURE() << "a hung chunk was delivered";
+        } catch (const pipeline_error& e) {
+            failed = e.failed();
+        }
+        {
+            allocation_probe probe;
+            { pipe_t::input_slot dropped = std::move(second); }
+            allocations = probe.count();
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next(5s));
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // the hung kernel ends before teardown
+    EXPECT_EQ(failed, (std::vector<std::size_t>{0}));
+    EXPECT_EQ(allocations, 0u);
+    EXPECT_TRUE(p.stats().gpu_abandoned);
 }
 
 /// Streams `chunks` with a producer and a consumer; the consumer's log.

@@ -75,7 +75,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <new>
@@ -317,6 +316,7 @@ struct pipeline_core {
           events(event_pool::for_device(options.device)), compute(make_compute_streams()),
           slots(make_slots()), bulk_registration(options.device, d2h_streams()),
           monitor(options, runahead_factor * options.depth) {
+        free_slots.reserve(slots.size()); // each slot once: giving one back never allocates
         for (std::size_t i = 0; i < slots.size(); ++i) {
             free_slots.push_back(i);
         }
@@ -569,8 +569,17 @@ struct pipeline_core {
     std::vector<pinned_buffer<In>> abandoned_inputs;
     std::vector<pinned_buffer<Out>> abandoned_outputs;
 
+    /// Room in the abandoned buffers for every slot's: taken before a slot is marked to
+    /// abandon its buffers, so that abandon_host_buffers (on the noexcept path of a result or
+    /// input_slot given back) does not allocate.
+    /// @throws std::bad_alloc
+    void reserve_abandoned() {
+        abandoned_inputs.reserve(abandoned_inputs.size() + slots.size());
+        abandoned_outputs.reserve(abandoned_outputs.size() + slots.size());
+    }
     /// Moves `sl`'s pinned buffers to the abandoned ones; it gets new ones on its next use.
-    void abandon_host_buffers(slot& sl) {
+    /// Within the room reserve_abandoned() made.
+    void abandon_host_buffers(slot& sl) noexcept {
         if (sl.host_in) {
             abandoned_inputs.push_back(std::move(sl.host_in));
         }
@@ -603,7 +612,8 @@ struct pipeline_core {
     std::size_t compute_next = 0;
     bool gpu_abandoned = false;
     // The session rule (see pipeline.hpp): a batch and a streaming session exclude each other.
-    std::deque<std::size_t> free_slots; ///< slots not held by a streaming producer or consumer
+    /// Slots not held by a streaming producer or consumer, oldest first (room for all).
+    std::vector<std::size_t> free_slots;
     bool batch_running = false;
     bool session_open = false; ///< from acquire() until next() returned the end after close()
 

@@ -221,11 +221,11 @@ public:
         }
         if (m_open == npos) {
             std::size_t i = k.free_slots.front();
-            k.free_slots.pop_front();
+            k.free_slots.erase(k.free_slots.begin());
             try {
                 k.slots[i]->ensure_host_buffers(k.options, *k.pool);
             } catch (...) {
-                k.free_slots.push_front(i);
+                k.free_slots.insert(k.free_slots.begin(), i); // within its capacity
                 throw;
             }
             m_open = i;
@@ -702,6 +702,7 @@ private:
         core& k = m_core;
         pipeline_stats& stats = k.monitor.counters();
         stream_flight& sf = *it.flight;
+        k.reserve_abandoned(); // for recycle(), which abandons the slot's buffers
         k.abandoned_events.reserve(k.abandoned_events.size() + 1);
         k.gpu_abandoned = true;
         if (!sf.f.error.failed()) {
@@ -778,6 +779,9 @@ private:
 
     // One chunk of slot group i is given back (unused, consumed or failed): the group serves
     // the producer again once all of its chunks are, and it is not the one being handed out.
+    // Allocates nothing (the free slots and abandoned buffers have their room) but what the
+    // scheduler takes to resume a waiting producer, whose failure leaves it waiting
+    // (wait_list::notify_all).
     void release(std::size_t i) noexcept {
         if (--m_held[i] == 0 && i != m_open) {
             recycle(i);
