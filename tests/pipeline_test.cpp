@@ -19,12 +19,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <new>
 #include <optional>
 #include <random>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,34 @@
 #include "random_words.hpp"
 #include "test_kernels.hpp"
 #include <gtest/gtest.h>
+
+// ---- allocation probes: this program's operator new counts, and can refuse, the calling
+// thread's allocations while an allocation_probe lives ----------------------------------------
+
+namespace {
+thread_local bool t_probing = false;
+thread_local bool t_refusing = false;
+thread_local std::size_t t_allocations = 0;
+} // namespace
+
+// Not inlined: g++ would then see free() meet a pointer from operator new and warn.
+[[gnu::noinline]] void* operator new(std::size_t n) {
+    if (t_probing) {
+        ++t_allocations;
+        if (t_refusing) {
+            throw std::bad_alloc();
+        }
+    }
+    if (void* p = std::malloc(n == 0 ? 1 : n)) {
+        return p;
+    }
+    throw std::bad_alloc();
+}
+[[gnu::noinline]] void* operator new[](std::size_t n) { return ::operator new(n); }
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -52,6 +82,24 @@ using pipe_t = pipeline<u32>;
 constexpr u32 salt = 0x5eed;
 
 using cudawait::testing::random_words;
+
+/// Counts the allocations the calling thread makes while it lives; with `refuse`, each throws
+/// std::bad_alloc instead. No gtest assertion inside its scope (they allocate).
+class allocation_probe {
+public:
+    explicit allocation_probe(bool refuse = false) noexcept {
+        t_allocations = 0;
+        t_refusing = refuse;
+        t_probing = true;
+    }
+    allocation_probe(const allocation_probe&) = delete;
+    allocation_probe& operator=(const allocation_probe&) = delete;
+    ~allocation_probe() {
+        t_probing = false;
+        t_refusing = false;
+    }
+    [[nodiscard]] std::size_t count() const noexcept { return t_allocations; }
+};
 
 /// The host result of the transform stage, chunk by chunk (the index restarts in each chunk).
 std::vector<u32> expected(const std::vector<u32>& in, std::size_t chunk) {
@@ -708,6 +756,52 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
         }
     }
     std::atomic_ref<u32>(release_flag[0]).store(1); // let the kernel finish before teardown
+}
+
+/// What the fallback of the wait tests writes: not what the GPU computes.
+constexpr u32 fallback_mark = 0xfa11u;
+
+// A timed wait that cannot be set up (no relay stream for with_timeout) while the chunks' kernels
+// still run is no failure of theirs: no chunk goes to the fallback while its copies may land, the
+// output is the GPU's, and it is all in place when run() returns.
+TEST_F(pipeline_gpu, a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu) {
+    const std::size_t chunk = 20'000;
+    const std::size_t n = chunk * 4;
+    auto in = random_words(n, 14);
+    pinned_buffer<u32> pin(n);
+    pinned_buffer<u32> pout(n);
+    copy_into(pin, in);
+    std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+    std::vector<std::size_t> fallback_calls;
+    std::vector<cudawait::chunk_failure> log;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.chunk_timeout = 10s;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    // 150 ms per kernel, one after the other: the first wait starts while all four are queued.
+    pipe_t p(o, {transform_stage(150'000'000)},
+             [&](std::size_t c, std::span<const u32>, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 std::fill(b.begin(), b.end(), fallback_mark);
+             });
+    cudawait::scheduler sched;
+    cudawait::detail::g_failing_relay_acquires = 1; // the first timed wait
+    cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+    const int not_failed = cudawait::detail::g_failing_relay_acquires.exchange(0);
+    std::vector<u32> at_return(pout.begin(), pout.end());
+    std::this_thread::sleep_for(400ms); // a copy still in flight lands meanwhile
+    std::vector<u32> later(pout.begin(), pout.end());
+    ASSERT_EQ(not_failed, 0) << "no wait was set up";
+    EXPECT_TRUE(fallback_calls.empty())
+        << "chunk " << fallback_calls.front() << " went to the fallback while the GPU ran it";
+    EXPECT_TRUE(log.empty()) << to_string(log.front().action) << ": " << log.front().error.what;
+    EXPECT_EQ(first_mismatch(at_return, expected(in, chunk)), n);
+    EXPECT_EQ(first_mismatch(later, at_return), n) << "the output changed after run() returned";
+    auto st = p.stats();
+    EXPECT_FALSE(st.gpu_abandoned);
+    EXPECT_EQ(st.gpu_chunks, 4u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
 }
 
 // A kernel fault kills the context: every chunk not yet seen complete goes to the fallback.
@@ -2046,6 +2140,43 @@ TEST(pipeline_wait_list, wait_until_ends_at_the_deadline_or_at_a_notify_never_bo
     EXPECT_LT(woke[0].second, 5.0);
 }
 
+// A notify on a noexcept path (a slot given back) whose resumes the scheduler cannot queue for
+// want of memory neither throws nor drops the waiters: the next notify resumes them.
+TEST(pipeline_wait_list, a_notify_that_cannot_queue_a_resume_keeps_its_waiters) {
+    cudawait::scheduler sched;
+    cudawait::detail::wait_list list;
+    std::vector<bool> woke; // notified, per waiter resumed
+    auto waiter = [&]() -> cudawait::task<void> {
+        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        woke.push_back(co_await list.wait_until(s, clock_type::now() + 5s));
+    };
+    std::size_t refused = 0;
+    bool threw = false;
+    std::size_t woke_before = 99;
+    auto notifier = [&]() -> cudawait::task<void> {
+        co_await cudawait::sleep_for(20ms); // both wait by now
+        {
+            allocation_probe probe(true);
+            try {
+                list.notify_all();
+            } catch (...) {
+                threw = true;
+            }
+            refused = probe.count();
+        }
+        co_await cudawait::sleep_for(20ms);
+        woke_before = woke.size();
+        list.notify_all();
+    };
+    const auto t0 = clock_type::now();
+    cudawait::sync_wait(sched, cudawait::when_all(waiter(), waiter(), notifier()));
+    ASSERT_GT(refused, 0u) << "queueing the resumes allocated nothing: no failure to test";
+    EXPECT_FALSE(threw);
+    EXPECT_EQ(woke_before, 0u) << "a resume that could not be queued happened";
+    EXPECT_EQ(woke, (std::vector<bool>{true, true})) << "both notified, neither timed out";
+    EXPECT_LT(ms_since(t0), 2000.0);
+}
+
 /// Fills a slot with `c` and submits it.
 cudawait::task<void> submit_chunk(pipe_t& p, const std::vector<u32>& c) {
     auto slot = co_await p.acquire();
@@ -2349,6 +2480,90 @@ TEST_F(pipeline_gpu, slots_of_given_up_chunks_serve_the_producer_again) {
     EXPECT_EQ(st.fallback_chunks, 3u);
 }
 
+// Giving a slot back (an input_slot dropped, a result destroyed: noexcept destructors) makes no
+// allocation, however often it happens.
+TEST_F(pipeline_gpu, giving_slots_back_allocates_nothing) {
+    const std::size_t chunk = 1000;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    pipe_t p(o, {transform_stage()}, host_fallback);
+    std::vector<std::vector<u32>> chunks{random_words(chunk, 560)};
+    cudawait::scheduler sched;
+    std::size_t allocations = 0;
+    std::size_t wrong = 0;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (int i = 0; i < 200; ++i) {
+            auto slot = co_await p.acquire();
+            if (i % 2 == 0) {
+                allocation_probe probe;
+                { pipe_t::input_slot dropped = std::move(slot); }
+                allocations += probe.count();
+                continue;
+            }
+            std::copy(chunks[0].begin(), chunks[0].end(), slot.data().begin());
+            p.submit(std::move(slot), chunk);
+            auto r = co_await p.next();
+            if (!r || r->by_fallback() ||
+                !std::equal(r->data().begin(), r->data().end(),
+                            expected(chunks[0], chunk).begin())) {
+                ++wrong;
+            }
+            allocation_probe probe;
+            r.reset();
+            allocations += probe.count();
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    EXPECT_EQ(allocations, 0u);
+    EXPECT_EQ(wrong, 0u);
+}
+
+// The last chunk of a slot group given up after chunk_timeout, given back: the group's pinned
+// buffers move to the abandoned ones without an allocation.
+TEST_F(pipeline_gpu, giving_back_a_slot_group_given_up_allocates_nothing) {
+    const std::size_t chunk = 1000;
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.group_bytes = 2 * chunk * sizeof(u32); // two chunks per slot group
+    o.chunk_timeout = 30ms;
+    o.max_retries = 0;
+    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))},
+             host_fallback);
+    auto in = random_words(chunk, 570);
+    cudawait::scheduler sched;
+    std::size_t allocations = 99;
+    std::vector<std::size_t> failed;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        auto first = co_await p.acquire(1s);
+        auto second = co_await p.acquire(1s); // the group's second chunk
+        std::copy(in.begin(), in.end(), first.data().begin());
+        p.submit(std::move(first), chunk);
+        try {
+            (void)co_await p.next(5s); // the first chunk hangs: given up
+            ADD_FAILURE() << "a hung chunk was delivered";
+        } catch (const pipeline_error& e) {
+            failed = e.failed();
+        }
+        {
+            allocation_probe probe;
+            { pipe_t::input_slot dropped = std::move(second); }
+            allocations = probe.count();
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next(5s));
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // the hung kernel ends before teardown
+    EXPECT_EQ(failed, (std::vector<std::size_t>{0}));
+    EXPECT_EQ(allocations, 0u);
+    EXPECT_TRUE(p.stats().gpu_abandoned);
+}
+
 /// Streams `chunks` with a producer and a consumer; the consumer's log.
 stream_log stream_all(pipe_t& p, const std::vector<std::vector<u32>>& chunks) {
     stream_log log;
@@ -2444,6 +2659,93 @@ TEST_F(pipeline_gpu, streaming_waits_again_for_a_slow_chunk_with_less_depth) {
     }
 }
 
+// on_degrade throwing when next() waits again for a slow chunk: the caller gets the exception,
+// the chunk stays first in line (a later next() delivers it, once), and its slot comes back.
+TEST_F(pipeline_gpu, streaming_keeps_a_chunk_waited_for_again_when_on_degrade_throws) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 4; ++i) {
+        chunks.push_back(random_words(chunk, 540 + i));
+    }
+    struct degrade_refused {};
+    std::size_t thrown = 0;
+    auto calls = std::make_shared<int>(0);
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 2;
+    o.chunk_timeout = 40ms;
+    o.max_retries = 50;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) {
+        if (f.action == cudawait::degrade_action::waited_again) {
+            ++thrown;
+            throw degrade_refused{};
+        }
+    };
+    // Chunk 1's kernel takes 300 ms: several chunk_timeouts, then it finishes.
+    pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+                 std::uint64_t spin = (*calls)++ == 1 ? 300'000'000 : 0;
+                 cudawait::check(cudawait::testing::launch_transform(a.data(), b.data(), a.size(),
+                                                                     salt, spin, s.get()),
+                                 "launch_transform");
+             }},
+             host_fallback);
+    cudawait::scheduler sched;
+    std::vector<std::size_t> delivered;
+    std::size_t caught = 0;
+    auto take = [&]() -> cudawait::task<bool> { // false: no chunk within 2 s
+        try {
+            auto r = co_await p.next(2s);
+            EXPECT_TRUE(right_result(r, chunks, delivered.size()));
+            EXPECT_TRUE(r && !r->by_fallback());
+            if (r) {
+                delivered.push_back(r->chunk());
+            }
+        } catch (const degrade_refused&) {
+            ++caught;
+        } catch (const cudawait::timeout_error&) {
+            co_return false;
+        }
+        co_return true;
+    };
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 2; ++i) {
+            co_await submit_chunk(p, chunks[i]);
+        }
+        while (delivered.size() < 2 && caught < 100) {
+            if (!co_await take()) {
+                ADD_FAILURE() << "chunk " << delivered.size() << " was not delivered";
+                break;
+            }
+        }
+        // Both slots serve the producer again, at once.
+        std::vector<pipe_t::input_slot> slots;
+        for (std::size_t i = 2; i < 4; ++i) {
+            try {
+                slots.push_back(co_await p.acquire(1s));
+            } catch (const cudawait::timeout_error&) {
+                ADD_FAILURE() << "slot " << i << " did not come back";
+                co_return;
+            }
+        }
+        for (std::size_t i = 2; i < 4; ++i) {
+            auto& slot = slots[i - 2];
+            std::copy(chunks[i].begin(), chunks[i].end(), slot.data().begin());
+            p.submit(std::move(slot), chunks[i].size());
+        }
+        while (delivered.size() < 4 && co_await take()) {
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next(2s));
+    }());
+    EXPECT_GE(caught, 1u);
+    EXPECT_EQ(caught, thrown) << "every throw of on_degrade reached next()'s caller";
+    EXPECT_EQ(delivered, (std::vector<std::size_t>{0, 1, 2, 3}));
+    auto st = p.stats();
+    EXPECT_EQ(st.gpu_chunks, 4u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks, 0u);
+    EXPECT_EQ(st.retries, thrown);
+}
+
 TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_order) {
     const std::size_t chunk = 10'000;
     std::vector<std::vector<u32>> chunks;
@@ -2501,6 +2803,61 @@ TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_o
     EXPECT_EQ(st.gpu_chunks, 1u);
     EXPECT_EQ(st.failed_chunks, 2u);
     EXPECT_EQ(st.fallback_chunks, 1u);
+}
+
+// Streaming, as a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu: next() delivers the
+// GPU's output, which nothing writes after it was delivered, and the slot goes back only then.
+TEST_F(pipeline_gpu, streaming_delivers_the_gpu_output_when_a_wait_cannot_be_set_up) {
+    const std::size_t chunk = 10'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 3; ++i) {
+        chunks.push_back(random_words(chunk, 520 + i));
+    }
+    std::vector<std::size_t> fallback_calls;
+    std::vector<cudawait::chunk_failure> log;
+    pipeline_options o;
+    o.chunk_elements = chunk;
+    o.depth = 3;
+    o.chunk_timeout = 10s;
+    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    pipe_t p(o, {transform_stage(150'000'000)},
+             [&](std::size_t c, std::span<const u32>, std::span<u32> b) {
+                 fallback_calls.push_back(c);
+                 std::fill(b.begin(), b.end(), fallback_mark);
+             });
+    cudawait::scheduler sched;
+    int not_failed = -1;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        for (std::size_t i = 0; i < 3; ++i) {
+            co_await submit_chunk(p, chunks[i]);
+        }
+        cudawait::detail::g_failing_relay_acquires = 1; // chunk 0's timed wait
+        for (std::size_t i = 0; i < 3; ++i) {
+            auto r = co_await p.next();
+            if (i == 0) {
+                not_failed = cudawait::detail::g_failing_relay_acquires.exchange(0);
+            }
+            EXPECT_TRUE(right_result(r, chunks, i));
+            EXPECT_TRUE(r && !r->by_fallback()) << "chunk " << i;
+            if (i == 0 && r) {
+                std::vector<u32> delivered(r->data().begin(), r->data().end());
+                co_await cudawait::sleep_for(400ms); // a copy still in flight lands meanwhile
+                EXPECT_TRUE(std::equal(delivered.begin(), delivered.end(), r->data().begin(),
+                                       r->data().end()))
+                    << "the result changed after next() delivered it";
+            }
+        }
+        p.close();
+        EXPECT_FALSE(co_await p.next());
+    }());
+    ASSERT_EQ(not_failed, 0) << "no wait was set up";
+    EXPECT_TRUE(fallback_calls.empty())
+        << "chunk " << fallback_calls.front() << " went to the fallback while the GPU ran it";
+    EXPECT_TRUE(log.empty()) << to_string(log.front().action) << ": " << log.front().error.what;
+    auto st = p.stats();
+    EXPECT_FALSE(st.gpu_abandoned);
+    EXPECT_EQ(st.gpu_chunks, 3u);
+    EXPECT_EQ(st.fallback_chunks + st.failed_chunks + st.retries, 0u);
 }
 
 TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streaming) {

@@ -94,14 +94,16 @@
 // that does not finish within `chunk_timeout` lowers the depth and is waited for again; after
 // `max_retries` timeouts it is reported failed (its copy may still land, so the fallback does
 // not write it) and the GPU is not used again. After a sticky error the context is gone: every
-// chunk not yet seen complete goes to the fallback. Every chunk is produced once, by the GPU or by
-// the fallback, or is reported failed; without a fallback, run() throws pipeline_error listing the
-// chunks that completed and the ones that failed. Streaming keeps the order: a chunk that fails
-// is produced by the fallback when next() reaches it, or next() throws pipeline_error for it
-// (and the chunks after it can still be taken). An exception from the fallback (or from any
-// callback) reaches the caller of run() or next(); run() first waits for the chunks still in
-// flight, so that no copy lands in the caller's memory after it returned (one that outlives
-// chunk_timeout meanwhile may still land, as above).
+// chunk not yet seen complete goes to the fallback. A wait that cannot be set up (the driver
+// makes no event or stream for it at the time) is no failure of the chunk, whose copies may
+// still land: both modes then poll its completion, within chunk_timeout. Every chunk is
+// produced once, by the GPU or by the fallback, or is reported failed; without a fallback, run()
+// throws pipeline_error listing the chunks that completed and the ones that failed. Streaming
+// keeps the order: a chunk that fails is produced by the fallback when next() reaches it, or
+// next() throws pipeline_error for it (and the chunks after it can still be taken). An
+// exception from the fallback (or from any callback) reaches the caller of run() or next(); run()
+// first waits for the chunks still in flight, so that no copy lands in the caller's memory after
+// it returned (one that outlives chunk_timeout meanwhile may still land, as above).
 // Streaming degrades the same way: a retryable enqueue error is retried at once with one slot
 // fewer, and a chunk whose wait in next() outlives chunk_timeout is waited for again with one
 // slot fewer (level 1); past max_retries the first goes to the fallback, the second is reported
@@ -325,7 +327,8 @@ public:
     /// The next chunk's output, in submission order; std::nullopt once closed and drained,
     /// which ends the streaming session (a later call waits for the next session's chunks).
     /// @throws pipeline_error when the chunk failed and no fallback took it; what the fallback
-    ///         throws (the chunk is then counted failed)
+    ///         throws (the chunk is then counted failed); what on_degrade throws when the chunk
+    ///         is waited for again (it then stays first in line)
     [[nodiscard]] task<std::optional<result>> next() { return m_stream.next(); }
 
     /// next() that gives up after `timeout` (from this call): the chunk it waited for is not

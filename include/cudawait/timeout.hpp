@@ -20,6 +20,7 @@
 
 #include <cudawait/detail/detached.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <coroutine>
 #include <cstddef>
@@ -103,6 +104,11 @@ private:
     std::chrono::nanoseconds m_after;
 };
 
+/// Fault injection for tests: while positive, relay_stream_cache::acquire() fails as a stream
+/// creation the driver refused (cudaErrorMemoryAllocation) and counts it down. Zero outside
+/// tests (one relaxed load per acquire()).
+inline std::atomic<int> g_failing_relay_acquires{0};
+
 /// Non-blocking streams that with_timeout borrows to turn the work an event captured into an
 /// event of its own (`cudaStreamWaitEvent(relay, e)`, then a record on the relay). One
 /// process-wide cache, per device; thread-safe, and no CUDA call is made under its lock. A
@@ -130,6 +136,10 @@ public:
     /// A stream of device `dev` with no pending work.
     /// @throws cuda_error
     [[nodiscard]] cudaStream_t acquire(int dev, const std::source_location& where) {
+        if (g_failing_relay_acquires.load(std::memory_order_relaxed) > 0 &&
+            g_failing_relay_acquires.fetch_sub(1, std::memory_order_relaxed) > 0) {
+            throw cuda_error(cudaErrorMemoryAllocation, "cudaStreamCreateWithFlags", where);
+        }
         {
             std::lock_guard lock(m_mutex);
             if (static_cast<std::size_t>(dev) < m_free.size()) {

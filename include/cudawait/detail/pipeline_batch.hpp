@@ -412,11 +412,7 @@ private:
             flight& f = b.inflight.front();
             bool landed = true;
             try {
-                if (k.options.chunk_timeout.count() > 0) {
-                    co_await with_timeout(event_ref(f.done), k.options.chunk_timeout);
-                } else {
-                    co_await event_ref(f.done);
-                }
+                co_await await_completion(event_ref(f.done), k.options.chunk_timeout);
             } catch (const timeout_error&) {
                 landed = false;
             } catch (const cuda_error&) {
@@ -450,18 +446,14 @@ private:
             trace_async_range r("wait", f.chunk);
             timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
             try {
-                if (k.options.chunk_timeout.count() > 0) {
-                    co_await with_timeout(event_ref(f.done), k.options.chunk_timeout);
-                } else {
-                    co_await event_ref(f.done);
-                }
+                co_await await_completion(event_ref(f.done), k.options.chunk_timeout);
             } catch (const timeout_error& e) {
                 error.timed_out = true;
                 error.exception = std::current_exception();
                 error.what = e.what();
             } catch (const cuda_error& e) {
                 error = chunk_error_of(e);
-                error.sticky = true; // an error seen while waiting comes from the device: lost
+                error.sticky = true; // the completion reported it: the device failed, lost
             }
         }
         if (!error.failed()) {

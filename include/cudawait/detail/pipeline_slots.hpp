@@ -2,7 +2,9 @@
 #pragma once
 
 // The pipeline's slots and the enqueue of one chunk: no waiting on the host here (the drivers,
-// detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await).
+// detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await, through
+// await_completion: it tells an error the chunk's completion reported from one in setting the
+// wait up, which leaves the chunk's work running).
 //
 // Who waits on what. Each slot owns device buffers (dev_in, dev_out, dev_mid for chained
 // stages, and the stages' scratch) and three events, recorded after each use of them. A chunk on
@@ -56,7 +58,10 @@
 #include <cudawait/pinned_pool.hpp>
 #include <cudawait/pipeline_options.hpp>
 #include <cudawait/pipeline_stage.hpp>
+#include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
+#include <cudawait/task.hpp>
+#include <cudawait/timeout.hpp>
 #include <cudawait/trace.hpp>
 
 #include <cudawait/detail/bulk_streams.hpp>
@@ -70,9 +75,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <deque>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -243,6 +248,47 @@ inline chunk_error chunk_error_of(const cuda_error& e) {
     return chunk_error{e.status(), e.sticky(), false, nullptr, e.what()};
 }
 
+/// True when `e`, from a wait for a chunk's completion, is what the completion reported (the
+/// query of the event: api() "cudaEventQuery") or sticky: the chunk's work will not complete.
+/// Any other error came from setting the wait up (an event or a relay stream not made, a
+/// record, the scheduler's bookkeeping), while the chunk's work may still be running.
+[[nodiscard]] inline bool reported_by_completion(const cuda_error& e) noexcept {
+    return e.sticky() || std::string_view(e.api()) == "cudaEventQuery";
+}
+
+/// Waits for a chunk's completion event `done`, for at most `limit` when it is positive (then
+/// timeout_error). A cuda_error it throws is one the completion reported. A wait that cannot be
+/// set up is no failure of the chunk, whose copies may still be landing: `done` is then polled,
+/// with sleeps on the scheduler, until it completes or `limit` passed.
+/// @throws timeout_error; cuda_error (reported_by_completion); what a sleep throws
+template <class Unused = void>
+task<void> await_completion(event_ref done, std::chrono::nanoseconds limit) {
+    using clock = std::chrono::steady_clock;
+    const clock::time_point until = clock::now() + limit;
+    try {
+        if (limit.count() > 0) {
+            co_await with_timeout(done, limit);
+        } else {
+            co_await done;
+        }
+        co_return;
+    } catch (const cuda_error& e) {
+        if (reported_by_completion(e)) {
+            throw;
+        }
+    } catch (const std::bad_alloc&) {
+        // No memory for the wait's state: not the chunk's failure either.
+    }
+    std::chrono::microseconds pause(50);
+    while (!done.is_done()) {
+        if (limit.count() > 0 && clock::now() >= until) {
+            throw timeout_error(limit);
+        }
+        co_await sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(2000));
+    }
+}
+
 /// What both drivers share: the options, stages and fallback, the streams, the slots, the
 /// monitor, and the state of degradation and of the session rule.
 template <class In, class Out>
@@ -270,6 +316,7 @@ struct pipeline_core {
           events(event_pool::for_device(options.device)), compute(make_compute_streams()),
           slots(make_slots()), bulk_registration(options.device, d2h_streams()),
           monitor(options, runahead_factor * options.depth) {
+        free_slots.reserve(slots.size()); // each slot once: giving one back never allocates
         for (std::size_t i = 0; i < slots.size(); ++i) {
             free_slots.push_back(i);
         }
@@ -522,8 +569,17 @@ struct pipeline_core {
     std::vector<pinned_buffer<In>> abandoned_inputs;
     std::vector<pinned_buffer<Out>> abandoned_outputs;
 
+    /// Room in the abandoned buffers for every slot's: taken before a slot is marked to
+    /// abandon its buffers, so that abandon_host_buffers (on the noexcept path of a result or
+    /// input_slot given back) does not allocate.
+    /// @throws std::bad_alloc
+    void reserve_abandoned() {
+        abandoned_inputs.reserve(abandoned_inputs.size() + slots.size());
+        abandoned_outputs.reserve(abandoned_outputs.size() + slots.size());
+    }
     /// Moves `sl`'s pinned buffers to the abandoned ones; it gets new ones on its next use.
-    void abandon_host_buffers(slot& sl) {
+    /// Within the room reserve_abandoned() made.
+    void abandon_host_buffers(slot& sl) noexcept {
         if (sl.host_in) {
             abandoned_inputs.push_back(std::move(sl.host_in));
         }
@@ -556,7 +612,8 @@ struct pipeline_core {
     std::size_t compute_next = 0;
     bool gpu_abandoned = false;
     // The session rule (see pipeline.hpp): a batch and a streaming session exclude each other.
-    std::deque<std::size_t> free_slots; ///< slots not held by a streaming producer or consumer
+    /// Slots not held by a streaming producer or consumer, oldest first (room for all).
+    std::vector<std::size_t> free_slots;
     bool batch_running = false;
     bool session_open = false; ///< from acquire() until next() returned the end after close()
 

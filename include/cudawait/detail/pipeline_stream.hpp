@@ -221,11 +221,11 @@ public:
         }
         if (m_open == npos) {
             std::size_t i = k.free_slots.front();
-            k.free_slots.pop_front();
+            k.free_slots.erase(k.free_slots.begin());
             try {
                 k.slots[i]->ensure_host_buffers(k.options, *k.pool);
             } catch (...) {
-                k.free_slots.push_front(i);
+                k.free_slots.insert(k.free_slots.begin(), i); // within its capacity
                 throw;
             }
             m_open = i;
@@ -310,8 +310,8 @@ public:
         }
         item it = std::move(m_items.front());
         m_items.pop_front();
-        // Until it is consumed (or put back in line after the caller's timeout) the chunk keeps
-        // its place in the queue: a producer may not fill it meanwhile.
+        // Until it is consumed (or put back in line) the chunk keeps its place in the queue: a
+        // producer may not fill it meanwhile.
         ++m_taken;
         struct taken_guard {
             pipeline_stream* self;
@@ -322,54 +322,65 @@ public:
         } taken{this};
         stream_flight& sf = *it.flight;
         chunk_error error = sf.f.error;
-        if (sf.landed) {
-            // An earlier chunk of the run saw it complete.
-        } else if (!error.failed() && !k.gpu_abandoned) {
-            trace_async_range r("wait", sf.f.chunk);
-            timeline_scope span(k.options.timeline, "wait", "wait", sf.f.chunk);
-            for (;;) {
-                wait_outcome w = co_await wait_for(sf.f, deadline);
-                if (sf.landed) {
-                    break; // another consumer saw the run complete meanwhile
-                }
-                if (w.error.failed()) {
-                    error = std::move(w.error);
-                    sf.f.error = error; // the run's other chunks fail with it
-                    break;
-                }
-                if (!w.timed_out) {
-                    sf.landed = true;
-                    try {
-                        k.chunk_done(sf.f);
-                    } catch (...) {
-                        release(it.slot);
-                        throw;
+        // Until the chunk is consumed (its slot released) an exception leaves it first in line,
+        // its slot and event with it, for a later next(): the caller's timeout, or what the wait
+        // or on_degrade throws.
+        bool consumed = false;
+        try {
+            if (sf.landed) {
+                // An earlier chunk of the run saw it complete.
+            } else if (!error.failed() && !k.gpu_abandoned) {
+                trace_async_range r("wait", sf.f.chunk);
+                timeline_scope span(k.options.timeline, "wait", "wait", sf.f.chunk);
+                for (;;) {
+                    wait_outcome w = co_await wait_for(sf.f, deadline);
+                    if (sf.landed) {
+                        break; // another consumer saw the run complete meanwhile
                     }
-                    break;
+                    if (w.error.failed()) {
+                        error = std::move(w.error);
+                        sf.f.error = error; // the run's other chunks fail with it
+                        break;
+                    }
+                    if (!w.timed_out) {
+                        sf.landed = true;
+                        consumed = true;
+                        try {
+                            k.chunk_done(sf.f);
+                        } catch (...) {
+                            release(it.slot);
+                            throw;
+                        }
+                        break;
+                    }
+                    if (w.by_caller) {
+                        throw timeout_error(budget); // not consumed
+                    }
+                    error.timed_out = true;
+                    error.exception =
+                        std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
+                    error.what = "chunk did not complete within chunk_timeout";
+                    if (++sf.waits > k.options.max_retries) {
+                        give_up_timed_out(it, error, consumed); // throws
+                    }
+                    // Level 1: the work cannot be cancelled; it is waited for again, with less
+                    // concurrency for the chunks that follow.
+                    ++stats.retries;
+                    m_core.lower_depth();
+                    k.report_degradation(sf.f, degrade_level::retry, degrade_action::waited_again,
+                                         error);
+                    error = {};
                 }
-                if (w.by_caller) {
-                    // Not consumed: the chunk stays first in line, its slot and event with it.
-                    m_items.push_front(std::move(it));
-                    throw timeout_error(budget);
-                }
-                error.timed_out = true;
-                error.exception = std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
-                error.what = "chunk did not complete within chunk_timeout";
-                if (++sf.waits > k.options.max_retries) {
-                    give_up_timed_out(it, error); // throws
-                }
-                // Level 1: the work cannot be cancelled; it is waited for again, with less
-                // concurrency for the chunks that follow.
-                ++stats.retries;
-                m_core.lower_depth();
-                k.report_degradation(sf.f, degrade_level::retry, degrade_action::waited_again,
-                                     error);
-                error = {};
+            } else if (error.timed_out) {
+                give_up_timed_out(it, error, consumed); // behind a chunk given up: throws
+            } else if (k.gpu_abandoned && !error.failed()) {
+                error.what = "the GPU was abandoned after an earlier error";
             }
-        } else if (error.timed_out) {
-            give_up_timed_out(it, error); // in flight behind a chunk given up: throws
-        } else if (k.gpu_abandoned && !error.failed()) {
-            error.what = "the GPU was abandoned after an earlier error";
+        } catch (...) {
+            if (!consumed) {
+                m_items.push_front(std::move(it));
+            }
+            throw;
         }
         if (!error.failed()) {
             ++stats.gpu_chunks;
@@ -491,7 +502,7 @@ private:
     struct wait_outcome {
         bool timed_out = false; ///< not complete (yet)
         bool by_caller = false; ///< the caller's deadline passed, not chunk_timeout
-        chunk_error error;      ///< a CUDA error seen while waiting
+        chunk_error error;      ///< a CUDA error the completion reported
     };
 
     // Chunks submitted and not taken: queue_capacity groups' worth.
@@ -667,17 +678,17 @@ private:
         wait_outcome w;
         try {
             if (!until) {
-                co_await event_ref(f.done);
+                co_await await_completion(event_ref(f.done), {});
             } else if (auto left = *until - clock::now(); left.count() > 0) {
-                co_await with_timeout(event_ref(f.done),
-                                      std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+                co_await await_completion(
+                    event_ref(f.done), std::chrono::duration_cast<std::chrono::nanoseconds>(left));
             } else if (!event_ref(f.done).is_done()) {
                 w.timed_out = true; // a deadline already passed: a poll
             }
         } catch (const timeout_error&) {
             w.timed_out = true;
         } catch (const cuda_error& e) {
-            w.error = chunk_error_of(e);
+            w.error = chunk_error_of(e); // reported by the completion (await_completion)
         }
         w.by_caller = w.timed_out && by_caller;
         co_return w;
@@ -685,10 +696,14 @@ private:
 
     // The GPU may still write the run's chunks (and those of the runs behind it): they are
     // reported failed, the event stays out of use, and the GPU is not used again (as in a batch).
-    [[noreturn]] void give_up_timed_out(item& it, const chunk_error& error) {
+    // `consumed` is set once the chunk's slot went back: what throws before that leaves the
+    // chunk to next() to put back in line, counted nowhere yet.
+    [[noreturn]] void give_up_timed_out(item& it, const chunk_error& error, bool& consumed) {
         core& k = m_core;
         pipeline_stats& stats = k.monitor.counters();
         stream_flight& sf = *it.flight;
+        k.reserve_abandoned(); // for recycle(), which abandons the slot's buffers
+        k.abandoned_events.reserve(k.abandoned_events.size() + 1);
         k.gpu_abandoned = true;
         if (!sf.f.error.failed()) {
             sf.f.error = error; // the run's later chunks fail with it
@@ -701,16 +716,17 @@ private:
                                  ", which did not complete within chunk_timeout";
             }
         }
-        ++stats.chunks;
-        ++stats.failed_chunks;
         if (sf.f.done) {
             k.abandoned_events.push_back(std::move(sf.f.done));
         }
+        ++stats.chunks;
+        ++stats.failed_chunks;
         // The GPU may still write the slot group's pinned buffers: once its chunks are all
         // given back they move to the abandoned ones (kept until the pipeline goes, after its
         // streams were synchronised), and the slot gets fresh ones on its next use. So a
         // producer never waits for a slot that a hung chunk holds.
         m_tainted[it.slot] = true;
+        consumed = true;
         release(it.slot);
         if (!std::exchange(sf.reported, true)) {
             k.report_degradation(sf.f, degrade_level::give_up, degrade_action::failed_timed_out,
@@ -763,6 +779,9 @@ private:
 
     // One chunk of slot group i is given back (unused, consumed or failed): the group serves
     // the producer again once all of its chunks are, and it is not the one being handed out.
+    // Allocates nothing (the free slots and abandoned buffers have their room) but what the
+    // scheduler takes to resume a waiting producer, whose failure leaves it waiting
+    // (wait_list::notify_all).
     void release(std::size_t i) noexcept {
         if (--m_held[i] == 0 && i != m_open) {
             recycle(i);

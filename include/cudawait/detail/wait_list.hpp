@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <coroutine>
+#include <cstddef>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -74,21 +75,34 @@ public:
         return {this, &s, deadline};
     }
 
-    void notify_all() {
-        auto waiting = std::exchange(m_waiting, {});
-        for (auto [h, s] : waiting) {
-            s->post(h);
-        }
-        // Timed waiters whose deadline passed are dropped here; the rest are resumed once.
-        auto timed = std::exchange(m_timed, {});
-        for (const auto& st : timed) {
-            if (!st->resumed) {
-                st->resumed = true;
-                st->notified = true;
-                scheduler_access::cancel_timer(*st->sched, std::exchange(st->timer, nullptr));
-                st->sched->post(st->handle);
+    /// Resumes every waiter (each checks its condition again). Never throws, for the noexcept
+    /// paths that give a slot back: where the scheduler cannot queue a resume (no memory), that
+    /// waiter and the ones after it stay in the list for the next notify (a timed one still
+    /// ends at its deadline).
+    void notify_all() noexcept {
+        std::size_t posted = 0;
+        try {
+            for (; posted < m_waiting.size(); ++posted) {
+                m_waiting[posted].second->post(m_waiting[posted].first);
             }
+        } catch (...) {
         }
+        m_waiting.erase(m_waiting.begin(), m_waiting.begin() + static_cast<std::ptrdiff_t>(posted));
+        // Timed waiters whose deadline passed are dropped here; the rest are resumed once.
+        std::size_t done = 0;
+        try {
+            for (; done < m_timed.size(); ++done) {
+                timed_waiter& st = *m_timed[done];
+                if (!st.resumed) {
+                    st.sched->post(st.handle);
+                    st.resumed = true;
+                    st.notified = true;
+                    scheduler_access::cancel_timer(*st.sched, std::exchange(st.timer, nullptr));
+                }
+            }
+        } catch (...) {
+        }
+        m_timed.erase(m_timed.begin(), m_timed.begin() + static_cast<std::ptrdiff_t>(done));
     }
 
 private:
