@@ -866,6 +866,66 @@ TEST_F(multi_gpu, acquire_and_next_timeouts_take_nothing_and_keep_the_order) {
     EXPECT_EQ(st.combined.retries + st.combined.fallback_chunks + st.combined.failed_chunks, 0u);
 }
 
+// on_degrade throws while next() waits again for a chunk past its chunk_timeout: the shard keeps
+// the chunk first in line, and so does the multi pipeline, which delivers it in its turn.
+TEST_F(multi_gpu, a_chunk_on_degrade_refused_to_wait_for_again_stays_first_in_line) {
+    const std::size_t chunk = 20'000;
+    std::vector<std::vector<u32>> chunks;
+    for (std::size_t i = 0; i < 3; ++i) {
+        chunks.push_back(random_words(chunk - i, 640 + i));
+    }
+    cudawait::mapped_buffer<u32> release_flag(1);
+    release_flag[0] = 0;
+    multi_pipeline_options o = options_for({0}, 2, chunk, 1);
+    o.per_shard.chunk_timeout = 30ms;
+    o.per_shard.max_retries = 1000;
+    struct degrade_refused {};
+    int refused = 0;
+    o.per_shard.on_degrade = [&](const cudawait::chunk_failure& f) {
+        if (f.action == cudawait::degrade_action::waited_again) {
+            ++refused;
+            throw degrade_refused{};
+        }
+    };
+    // Call 0 is shard 0's first chunk: stuck until the flag.
+    multi_t m(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
+    cudawait::scheduler sched;
+    int caught = 0;
+    cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
+        co_await submit_chunk(m, chunks[0], 0); // stuck on shard 0
+        co_await submit_chunk(m, chunks[1], 1);
+        for (int i = 0; i < 3; ++i) {
+            try {
+                auto r = co_await m.next(5s);
+                ADD_FAILURE() << "next returned chunk " << (r ? r->chunk() : 99) << " early";
+            } catch (const degrade_refused&) {
+                ++caught;
+            }
+        }
+        std::atomic_ref<u32>(release_flag[0]).store(1);
+        for (std::size_t c = 0; c < 2; ++c) {
+            for (;;) {
+                try {
+                    EXPECT_TRUE(right_result(co_await m.next(10s), chunks, c));
+                    break;
+                } catch (const degrade_refused&) {
+                    ++caught; // a last wait again before the kernel's end was seen
+                }
+            }
+        }
+        co_await submit_chunk(m, chunks[2], 0);
+        EXPECT_TRUE(right_result(co_await m.next(10s), chunks, 2));
+        m.close();
+        EXPECT_FALSE(co_await m.next(0ns));
+    }());
+    std::atomic_ref<u32>(release_flag[0]).store(1); // on a failure above, before teardown
+    EXPECT_GE(caught, 3);
+    EXPECT_EQ(caught, refused);
+    auto st = m.stats();
+    EXPECT_EQ(st.combined.gpu_chunks, 3u);
+    EXPECT_EQ(st.combined.fallback_chunks + st.combined.failed_chunks, 0u);
+}
+
 TEST_F(multi_gpu, acquire_skips_a_shard_whose_gpu_was_abandoned) {
     const std::size_t chunk = 20'000;
     std::vector<std::vector<u32>> chunks;

@@ -24,11 +24,7 @@
 // buffers from device_resource_for(device), or else per_shard.device_resource
 // (detail/multi_pool.hpp). With several shards, report_path gets ".shard<i>" appended.
 //
-// One scheduler. Every shard is driven by the coroutine that drives the multi pipeline, on the
-// one scheduler thread: a batch awaits all shards' parts with when_all, and their GPU work
-// overlaps while the thread polls every device's events. Nothing here starts a thread; the
-// scheduler's poll covers all devices (a device's events are queried from any current device).
-// Like pipeline, a multi_pipeline is not thread-safe.
+// One scheduler thread drives every shard and polls every device's events. Not thread-safe.
 //
 // Batch. run(in, out) splits the input at chunk boundaries into one contiguous part per shard,
 // with equal chunk counts (the first n % shards parts one chunk more; the last part holds a
@@ -43,12 +39,11 @@
 // the next one: its chunks go to the rescue and the fallback); the slot remembers its shard,
 // and submit() starts it there. acquire() waits for that shard's slot (another shard's free
 // one is not taken instead), so a slow shard slows the stream as in one pipeline.
-// next() returns the chunks in global submission order (result::chunk()): a queue records
-// which shard each submission went to, and next() awaits that shard's next(). close() closes
-// every shard; the session ends when next() has returned the end. Timeouts pass through with
-// the same guarantee: nothing is taken (acquire) or consumed (next) when timeout_error is
-// thrown, and the chunk next() waited for stays first in line. The session rule is pipeline's,
-// for the whole: run() during a session, and acquire() during a batch, are usage_errors.
+// next() returns the chunks in global submission order (result::chunk()), awaiting the next()
+// of the shard each went to. close() closes every shard; the session ends when next() returned
+// the end. As in pipeline, nothing is taken (acquire) or consumed (next) when timeout_error (or
+// what on_degrade throws while waiting) is thrown: the chunk stays first in line. run() during
+// a session, and acquire() during a batch, are usage_errors.
 //
 // Rescue instead of losing a device. Each shard's fallback is a rescue: when a shard gives a
 // chunk up (level 2: a sticky error, the GPU abandoned, or retries exhausted; not a chunk that
@@ -60,10 +55,9 @@
 // copy out, synchronise, check. If that fails too, or no such shard exists, the user's
 // fallback computes it (with the chunk's global index); without one the chunk fails: the batch
 // ends with pipeline_error naming it, and next() throws pipeline_error for it in its turn (its
-// output is not written). A sticky error abandons every shard of its device for rescues (the
-// device's context is gone). Every chunk is produced exactly once (by its shard's GPU, by a
-// rescuing GPU, or by the fallback) or reported failed. The rescue blocks the scheduler thread
-// for one chunk, as a host fallback does.
+// output is not written). A sticky error abandons every shard of its device for rescues. Every
+// chunk is produced once (by a GPU or the fallback) or reported failed. A rescue blocks the
+// scheduler thread for one chunk, as a host fallback does.
 //
 // Stats. per_shard: each shard's own stats; a chunk of its that another shard rescued counts there
 // as a fallback chunk, with its bytes: every chunk a GPU produced has its bytes counted once, on
@@ -721,7 +715,14 @@ private:
                                      std::to_string(q.shard) + "): " + e.what(),
                                  {}, {q.chunk});
         } catch (...) {
-            forget(q.chunk);
+            // Thrown before the shard took the chunk: first in line there, so here too.
+            const auto first = m_shards[q.shard]->m_stream.next_seq();
+            const auto& map = m_local_to_global[q.shard];
+            if (first && *first < map.size() && map[*first] == q.chunk) {
+                m_fifo.push_front(q);
+            } else {
+                forget(q.chunk);
+            }
             throw;
         }
         std::optional<typename shard_pipeline::result>& r = *got;

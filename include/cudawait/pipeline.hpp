@@ -221,6 +221,9 @@ namespace cudawait {
 ///
 /// Not thread-safe: drive one pipeline from one scheduler's coroutines. Destruction waits for
 /// the GPU work in flight.
+template <class In, class Out>
+class multi_pipeline;
+
 template <class In, class Out = In>
 class pipeline {
     static_assert(std::is_trivially_copyable_v<In> && std::is_trivially_copyable_v<Out>);
@@ -417,6 +420,10 @@ private:
         return std::max(std::chrono::nanoseconds(0),
                         std::chrono::duration_cast<std::chrono::nanoseconds>(left));
     }
+
+    // Reads which chunk a shard's next() left first in line (multi_pipeline::next).
+    template <class, class>
+    friend class multi_pipeline;
 
     core m_core;
     detail::pipeline_batch<In, Out> m_batch;

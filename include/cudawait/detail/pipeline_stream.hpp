@@ -434,6 +434,11 @@ public:
         co_return result(this, it.slot, it.position, it.seq, it.output_count, true, it.out_view);
     }
 
+    /// The submission index of the chunk next() returns next, if one is queued.
+    [[nodiscard]] std::optional<std::size_t> next_seq() const noexcept {
+        return m_items.empty() ? std::nullopt : std::optional<std::size_t>(m_items.front().seq);
+    }
+
     /// See pipeline::close. The chunks held back go to the GPU; what on_degrade throws meanwhile
     /// reaches the next call of next().
     void close() {
