@@ -26,6 +26,7 @@
 #include <random>
 #include <set>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -244,6 +245,103 @@ TEST(copy_lane, sm_copies_are_off_by_default) {
     EXPECT_EQ(cudawait::copy_options{}.sm_copy_bytes, 0u);
     EXPECT_NE(std::strstr(cudawait::detail::sm_copy_ptx, cudawait::detail::sm_copy_kernel_name),
               nullptr);
+}
+
+// Where the SM copy kernel cannot be loaded (here: PTX of an ISA version no driver has, refused
+// as the driver refuses PTX too new for the device or for itself), a pipeline and the lanes are
+// made all the same, and every copy, sm_copy_bytes set or not, is made exactly by a copy engine.
+// In a child process: the kernel is loaded once per process.
+TEST_F(copy_lane_gpu, where_the_kernel_cannot_be_loaded_copy_engines_make_the_copies) {
+    auto child = [] {
+        static const std::string unloadable = [] {
+            std::string t = cudawait::detail::sm_copy_ptx;
+            t.replace(t.find(".version 7.0"), 12, ".version 99.9");
+            return t;
+        }();
+        cudawait::detail::g_sm_copy_ptx.store(unloadable.c_str());
+        auto fail = [](const std::string& why) {
+            std::fprintf(stderr, "%s\n", why.c_str());
+            std::exit(1);
+        };
+        try {
+            constexpr u32 salt = 0x5e1f;
+            cudawait::pipeline_options o;
+            o.chunk_elements = 4096;
+            cudawait::pipeline<u32> pipe(
+                o, {[](std::span<u32> in, std::span<u32> out, cudawait::stream_ref st) {
+                    cudawait::check(cudawait::testing::launch_transform(
+                                        in.data(), out.data(), in.size(), salt, 0, st.get()),
+                                    "launch_transform");
+                }});
+            const std::size_t total = 3 * o.chunk_elements + 17;
+            const auto in = random_words(total, 81);
+            std::vector<u32> want(total);
+            for (std::size_t off = 0; off < total; off += o.chunk_elements) {
+                const std::size_t k = std::min(o.chunk_elements, total - off);
+                cudawait::testing::transform_on_host(in.data() + off, want.data() + off, k, salt);
+            }
+            std::vector<u32> out(total, 0xdeadbeef);
+            cudawait::scheduler sched;
+            cudawait::sync_wait(sched, pipe.run(std::span<const u32>(in), std::span<u32>(out)));
+            if (out != want) {
+                fail("the pipeline's output is wrong");
+            }
+
+            // Small copies both ways between device and page-locked memory, asked to go by the
+            // SMs.
+            cudawait::copy_options by_sms;
+            by_sms.sm_copy_bytes = 64_KiB;
+            const std::size_t n = 4096 + 3;
+            const auto up = random_words(n, 82);
+            cudawait::pinned_buffer<u32> pin(n);
+            std::copy(up.begin(), up.end(), pin.data());
+            cudawait::stream s;
+            cudawait::device_buffer<u32> dev(n, s);
+            s.sync();
+            const unsigned long long made = cudawait::detail::sm_copies_enqueued.load();
+            cudawait::sync_wait(sched, cudawait::copy(dev, pin, by_sms));
+            std::fill(pin.data(), pin.data() + n, 0xdeadbeef);
+            cudawait::sync_wait(sched, cudawait::copy(pin, dev, by_sms));
+            if (!std::equal(up.begin(), up.end(), pin.data())) {
+                fail("a small copy is wrong");
+            }
+            if (cudawait::detail::sm_copies_enqueued.load() != made) {
+                fail("a copy went by the SMs");
+            }
+            if (cudawait::detail::preload_sm_copy(device_ref(0), s)) {
+                fail("the kernel is said to be loaded");
+            }
+        } catch (const std::exception& e) {
+            fail(std::string("threw: ") + e.what());
+        }
+        std::fprintf(stderr, "made by the copy engines\n");
+        std::exit(0);
+    };
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "made by the copy engines");
+}
+
+// Any other failure still surfaces: after a fault (a sticky error) the preload throws, and SM
+// copies are not taken to be off.
+TEST_F(copy_lane_gpu, a_sticky_error_fails_the_preload) {
+    auto child = [] {
+        const device_ref dev(0);
+        cudawait::stream s;
+        (void)cudawait::testing::launch_fault(s.get());
+        (void)cudaStreamSynchronize(s.get());
+        try {
+            (void)cudawait::detail::preload_sm_copy(dev, s);
+            std::fprintf(stderr, "no exception\n");
+        } catch (const cudawait::cuda_error& e) {
+            using cudawait::detail::sm_copy_devices;
+            std::fprintf(stderr, "the preload failed (%s): %s\n",
+                         e.sticky() ? "sticky" : "not sticky", e.what());
+            std::exit(sm_copy_devices::get(dev) == sm_copy_devices::unknown ? 0 : 1);
+        }
+        std::exit(1);
+    };
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "the preload failed \\(sticky\\)");
 }
 
 // Every size and alignment the kernel treats differently (16-byte words, 4-byte words, bytes;

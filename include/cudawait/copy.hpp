@@ -61,8 +61,9 @@
 // options.sm_copy_bytes set, every small-lane copy of at most that many bytes between device
 // memory and page-locked host memory, either way, is made by the kernel. It is loaded once per
 // process and device from PTX text (no nvcc needed in the user's build) when the lanes or a
-// pipeline are made; other copies are unaffected. A small-lane copy with pageable memory on one
-// side (a std::vector) is chosen the same way for its pinned block: the SMs copy between the
+// pipeline are made; where it cannot be (a GPU or driver the PTX does not suit), a copy engine
+// makes those copies too. Other copies are unaffected. A small-lane copy with pageable memory on
+// one side (a std::vector) is chosen the same way for its pinned block: the SMs copy between the
 // device and the block, and a host memcpy between the block and the vector.
 
 #include <cudawait/copy_lane.hpp>
@@ -293,7 +294,8 @@ struct sm_copy_route {
 };
 
 /// The route of `plan` through the SMs: device memory of one device on one side, page-locked
-/// host memory that device can address on the other; else none (the copy engine takes it).
+/// host memory that device can address on the other, and a device the kernel can run on; else
+/// none (the copy engine takes it).
 /// @throws cuda_error
 template <class = void>
 std::optional<sm_copy_route> sm_route(const copy_plan& plan) {
@@ -307,6 +309,9 @@ std::optional<sm_copy_route> sm_route(const copy_plan& plan) {
     const int dev = pointer_device(to_device ? static_cast<const void*>(plan.dst) : plan.src);
     if (dev < 0) {
         return std::nullopt; // stated device memory the driver does not know
+    }
+    if (sm_copy_devices::get(device_ref(dev)) == sm_copy_devices::unavailable) {
+        return std::nullopt; // the kernel cannot run there (detail/sm_copy.hpp)
     }
     void* host = host_memory_on_device(to_device ? static_cast<const void*>(plan.src) : plan.dst,
                                        device_ref(dev));
