@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <set>
 #include <span>
@@ -140,6 +141,96 @@ TEST_F(copy_lane_gpu, threads_asking_at_once_get_the_one_set) {
     for (copy_lanes* p : got) {
         EXPECT_EQ(p, &copy_lanes::for_device(dev));
     }
+}
+
+// The first use of a device's lanes loads no kernel and waits for none of the device's work. A
+// kernel spins until a flag in device memory is set; the process's first lane copy sets it (on
+// the small lane). Loading a kernel on the device then would wait for the spinning kernel, which
+// waits for the copy. Where there is a second device, a lane copy to it from another thread
+// meanwhile does not wait either (its lanes made before). In a child process, where the lanes
+// are made once; the kernel gives up after 10 s, so a failure cannot hang.
+TEST_F(copy_lane_gpu, the_first_lane_copy_does_not_wait_for_the_device_s_running_work) {
+    auto child = [] {
+        using clock = std::chrono::steady_clock;
+        auto fail = [](const std::string& why) {
+            std::fprintf(stderr, "%s\n", why.c_str());
+            std::exit(1);
+        };
+        auto seconds = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
+        try {
+            // Everything but the lanes is made before the kernel: page-locked allocations, for
+            // one, wait for the device's work.
+            constexpr std::size_t n = 1024;
+            const bool two = cudawait::device_count() >= 2;
+            cudawait::scheduler sched;
+            cudawait::stream busy;
+            cudawait::device_buffer<u32> flag(1, busy);
+            cudawait::testing::mapped_words host(n); // word 0: the flag's value, then B's words
+            host.write(0, 0);
+            cudawait::sync_wait(sched, cudawait::copy(std::span<u32>(flag.data(), 1),
+                                                      std::span<const u32>(host.host, 1), busy));
+            host.write(0, 1);
+            std::optional<cudawait::stream> on_1;
+            cudawait::device_buffer<u32> dev_1;
+            cudawait::testing::mapped_words back_1(n);
+            if (two) {
+                (void)copy_lanes::for_device(device_ref(1)); // made while all is idle
+                on_1.emplace(device_ref(1));
+                dev_1 = cudawait::device_buffer<u32>(n, *on_1);
+                on_1->sync();
+            }
+            const auto want = random_words(n, 91);
+            std::copy(want.begin() + 1, want.end(), host.host + 1);
+
+            const auto t0 = clock::now();
+            cudawait::check(
+                cudawait::testing::launch_wait_flag(flag.data(), 10'000'000'000ull, busy.get()),
+                "launch_wait_flag");
+            // B: a lane copy to device 1 and back while A makes device 0's lanes.
+            std::thread other;
+            double other_took = 0;
+            bool other_ok = true;
+            if (two) {
+                other = std::thread([&] {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                    cudawait::scheduler s1;
+                    const auto t = clock::now();
+                    cudawait::sync_wait(
+                        s1, cudawait::copy(dev_1, std::span<const u32>(host.host, n), lane::small));
+                    cudawait::sync_wait(
+                        s1, cudawait::copy(std::span<u32>(back_1.host, n), dev_1, lane::small));
+                    other_took = seconds(clock::now() - t);
+                    other_ok = std::equal(want.begin() + 1, want.end(), back_1.host + 1) &&
+                               back_1.read(0) == 1;
+                });
+            }
+            // A: the process's first lane copy, to device 0.
+            cudawait::sync_wait(sched,
+                                cudawait::copy(std::span<u32>(flag.data(), 1),
+                                               std::span<const u32>(host.host, 1), lane::small));
+            const double copied = seconds(clock::now() - t0);
+            busy.sync();
+            const double ended = seconds(clock::now() - t0);
+            if (other.joinable()) {
+                other.join();
+            }
+            std::fprintf(stderr, "copied after %.3f s, the kernel ended after %.3f s\n", copied,
+                         ended);
+            if (copied > 2.0 || ended > 5.0) {
+                fail("the first lane copy waited for the device's running kernel");
+            }
+            if (two && (other_took > 2.0 || !other_ok)) {
+                fail("the copy to the other device waited (" + std::to_string(other_took) +
+                     " s) or is wrong");
+            }
+        } catch (const std::exception& e) {
+            fail(std::string("threw: ") + e.what());
+        }
+        std::fprintf(stderr, "the first lane copy did not wait\n");
+        std::exit(0);
+    };
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "the first lane copy did not wait");
 }
 
 // A lane is ordered with nothing of the caller's: a small copy completes while a user stream is
@@ -308,7 +399,7 @@ TEST_F(copy_lane_gpu, where_the_kernel_cannot_be_loaded_copy_engines_make_the_co
             if (cudawait::detail::sm_copies_enqueued.load() != made) {
                 fail("a copy went by the SMs");
             }
-            if (cudawait::detail::preload_sm_copy(device_ref(0), s)) {
+            if (cudawait::detail::preload_sm_copy(device_ref(0))) {
                 fail("the kernel is said to be loaded");
             }
         } catch (const std::exception& e) {
@@ -330,7 +421,7 @@ TEST_F(copy_lane_gpu, a_sticky_error_fails_the_preload) {
         (void)cudawait::testing::launch_fault(s.get());
         (void)cudaStreamSynchronize(s.get());
         try {
-            (void)cudawait::detail::preload_sm_copy(dev, s);
+            (void)cudawait::detail::preload_sm_copy(dev);
             std::fprintf(stderr, "no exception\n");
         } catch (const cudawait::cuda_error& e) {
             using cudawait::detail::sm_copy_devices;
@@ -612,8 +703,8 @@ void small_h2d_copy(beside_bulk& b, const Src& up, const cudawait::copy_options&
 // With the default options a small D2H copy into page-locked memory on the lane goes by the SMs
 // while a bulk D2H copy of the device runs and completes before it; with the bulk lane idle, or
 // busy_sm_copy_bytes 0, or for a copy to the device, a copy engine makes it. It is the process's
-// first SM copy: the lanes loaded the kernel when they were made, so the copy does not wait for
-// a loading that waits for the bulk copy.
+// first SM copy: the bulk lane loaded the kernel before its first D2H copy, so the copy does not
+// wait for a loading that waits for the bulk copy.
 TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_runs) {
     beside_bulk b(0x3c, 74);
     cudawait::pinned_buffer<u32> back(beside_bulk::n);

@@ -279,7 +279,7 @@ struct pipeline_core {
         h2d.sync();
         // The small copies the lane makes by the SMs beside this pipeline's chunks must not
         // wait for the kernel's loading (detail/sm_copy.hpp).
-        preload_sm_copy(device_ref(options.device), d2h);
+        (void)preload_sm_copy(device_ref(options.device)); // false: a copy engine makes them
     }
     pipeline_core(const pipeline_core&) = delete;
     pipeline_core& operator=(const pipeline_core&) = delete;

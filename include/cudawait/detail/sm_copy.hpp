@@ -16,8 +16,9 @@
 // cudaLibraryLoadData and launched with cudaLaunchKernel. A translation unit compiled by g++ alone
 // can use it: no nvcc, no device code in the user's objects. The library is never unloaded (a
 // static destructor may run after the driver has gone), and a forked child does not use the
-// parent's handle. Where the kernel cannot be loaded on a device (no code the driver can make for
-// it), SM copies are off there and a copy engine makes every copy (preload_sm_copy).
+// parent's handle. It is loaded on a device before the first SM copy there (preload_sm_copy says
+// when and why); where it cannot be (no code the driver can make for the device), SM copies are
+// off there and a copy engine makes every copy.
 //
 // What it copies: `bytes` from `src` to `dst`, both device-addressable, in 16-byte words where
 // both addresses and the size are multiples of 16, else 4-byte words where they are multiples of
@@ -270,24 +271,29 @@ private:
 
 using sm_copy_devices = basic_sm_copy_devices<>;
 
-/// Loads the kernel on `dev` once per process, by a launch over zero bytes on `s` (a stream of
-/// `dev`), synchronised, and says whether SM copies can be made there. The driver loads a kernel
-/// on a device at its first launch there, and loading waits for the work the device is running:
-/// a first small copy made beside a bulk copy would wait for it (1 GiB, in the tests). So
-/// whatever may make such copies beside bulk work (the copy lanes, a pipeline) loads it when it
-/// is made. Where the kernel's code cannot run on `dev` (sm_copy_load_failure), that is kept:
-/// false from then on, and copies there take a copy engine (copy.hpp: sm_route).
+/// Loads the kernel on `dev` once per process and says whether SM copies can be made there.
+/// cudaFuncGetAttributes with `dev` current makes the driver load it (as a first launch would),
+/// without enqueueing anything. Loading waits for the work the device is running, and meanwhile
+/// blocks every CUDA call of other threads on that device (measured on an H200, driver 580: for a
+/// launch, cudaFuncGetAttributes and cudaKernelSetAttributeForDevice alike; a kernel's loading
+/// cannot be had without that wait). So a first small copy made by the SMs beside a bulk copy
+/// would wait for the bulk copy (1 GiB, in the tests): whatever makes bulk D2H copies that send
+/// small copies to the SMs (a pipeline when it is made, the bulk lane before its first D2H copy)
+/// loads the kernel before that work, and copy.hpp's sm_route loads it where nothing did. Where
+/// the kernel's code cannot run on `dev` (sm_copy_load_failure), that is kept: false from then on,
+/// and copies there take a copy engine.
 /// @throws cuda_error for any other failure (a sticky error, for instance); usage_error in a
 ///         child forked after the parent loaded the kernel
 template <class = void>
-bool preload_sm_copy(device_ref dev, stream_ref s) {
+bool preload_sm_copy(device_ref dev) {
     if (const auto known = sm_copy_devices::get(dev); known != sm_copy_devices::unknown) {
         return known == sm_copy_devices::loaded;
     }
     try {
-        launch_sm_copy(nullptr, nullptr, 0, dev, s);
-        check(cudaStreamSynchronize(s.get()),
-              "cudaStreamSynchronize (loading the small-copy kernel)");
+        device_guard on(dev);
+        cudaFuncAttributes attributes{};
+        check(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(sm_copy_kernel())),
+              "cudaFuncGetAttributes (loading the small-copy kernel)");
     } catch (const cuda_error& e) {
         if (!sm_copy_load_failure(e.status())) {
             throw;
