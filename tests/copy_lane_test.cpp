@@ -737,6 +737,65 @@ TEST_F(copy_lane_gpu, a_small_pageable_copy_goes_by_the_sms_through_its_pinned_b
     EXPECT_EQ(sm_copies(), made + 1) << "the H2D copy was not made by the SMs";
 }
 
+// A pipeline notes a chunk's work once the chunk is enqueued. A small copy that asks whether the
+// device's bulk D2H streams are busy while the chunk is being enqueued (here: from the chunk's
+// stage, before its D2H is enqueued) finds them idle, and that answer is kept; one that asks
+// after the chunk was enqueued must find its D2H pending (held behind a kernel spinning on a
+// flag). When the pipeline noted its work before enqueueing, the idle answer was kept past the
+// enqueue, so the chunk's D2H went unseen (and small D2H copies queued behind it on a copy engine)
+// until the next chunk.
+TEST_F(copy_lane_gpu, a_chunk_s_work_is_seen_once_the_chunk_is_enqueued) {
+    bulk_streams& registry = bulk_streams::instance();
+    cudawait::testing::mapped_words flag(1);
+    flag.write(0, 0);
+    const std::size_t chunk = 1 << 12;
+    cudawait::pipeline_options o;
+    o.depth = 2;
+    o.chunk_elements = chunk;
+    constexpr u32 salt = 0x3d15;
+    bool asked_in_stage = false;
+    bool pending_in_stage = true;
+    cudawait::pipeline<u32> pipe(
+        o, {[&](std::span<u32> in, std::span<u32> out, cudawait::stream_ref st) {
+            pending_in_stage = registry.pending(0);
+            asked_in_stage = true;
+            cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(),
+                                                                salt, 0, st.get()),
+                            "launch_transform");
+            cudawait::check(
+                cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st.get()),
+                "launch_wait_flag");
+        }});
+    const auto in = random_words(chunk, 95);
+    std::vector<u32> expect(chunk);
+    cudawait::testing::transform_on_host(in.data(), expect.data(), chunk, salt);
+    cudawait::pinned_buffer<u32> pin_in(chunk);
+    cudawait::pinned_buffer<u32> pin_out(chunk);
+    std::copy(in.begin(), in.end(), pin_in.data());
+    std::fill(pin_out.data(), pin_out.data() + chunk, 0xdeadbeef);
+    cudawait::scheduler sched;
+    bool pending_after = false;
+    auto ask = [&]() -> cudawait::task<void> {
+        // The stage runs inside the chunk's enqueue, on this thread: once it has run and this
+        // coroutine runs again, the enqueue is over.
+        const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!asked_in_stage && std::chrono::steady_clock::now() < limit) {
+            co_await sched.schedule();
+        }
+        pending_after = registry.pending(0);
+        flag.write(0, 1);
+    };
+    cudawait::sync_wait(sched,
+                        cudawait::when_all(pipe.run(std::span<const u32>(pin_in.data(), chunk),
+                                                    std::span<u32>(pin_out.data(), chunk)),
+                                           ask()));
+    ASSERT_TRUE(asked_in_stage);
+    EXPECT_FALSE(pending_in_stage) << "no bulk D2H work was pending yet";
+    EXPECT_TRUE(pending_after) << "the chunk's D2H was not seen";
+    EXPECT_EQ(std::memcmp(pin_out.data(), expect.data(), chunk * sizeof(u32)), 0);
+    EXPECT_FALSE(registry.pending(0)) << "all done";
+}
+
 // A pipeline notes its work: while a chunk's D2H waits for its stage (then a kernel held on a
 // flag), a small D2H copy of its device goes by the SMs; with the pipeline idle, and once it is
 // gone, by a copy engine. The chunk's output is checked too.

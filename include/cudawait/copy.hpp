@@ -336,16 +336,25 @@ void enqueue_by_the_sms(const copy_plan& plan, const sm_copy_route& r, stream_re
     }
 }
 
+/// The copy of `plan` on `s`, awaited. `noted`: whether to note the work in bulk_streams after
+/// each enqueue (the bulk lane's copies; detail/bulk_streams.hpp).
 template <class = void>
-task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
+task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt, bool noted = false) {
+    auto note = [&] {
+        if (noted) {
+            bulk_streams::instance().note_work(s.get());
+        }
+    };
     if (!plan.staged()) {
         enqueue_direct(plan, s);
+        note();
         co_await s;
         co_return;
     }
     staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt),
                    opt.chunk_bytes, opt.depth);
     while (cudaEvent_t ev = sc.advance()) {
+        note();
         co_await event_ref(ev);
     }
     if (plan.to_device()) {
@@ -421,17 +430,16 @@ task<void> small_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
     co_await s;
 }
 
-/// A copy on the bulk lane (its stream `s`), as copy_task; the D2H stream's work is noted first
-/// (detail/bulk_streams.hpp: the other lane streams are not registered, and nothing happens).
-/// Before the D2H stream's first copy the SM copy kernel is loaded on its device: the small D2H
-/// copies the SMs make beside it must not wait for a loading that waits for it.
+/// A copy on the bulk lane (its stream `s`), as copy_task; the D2H stream's work is noted after
+/// each enqueue (detail/bulk_streams.hpp: the other lane streams are not registered, and nothing
+/// happens). Before the D2H stream's first copy the SM copy kernel is loaded on its device: the
+/// small D2H copies the SMs make beside it must not wait for a loading that waits for it.
 template <class = void>
 task<void> bulk_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
     if (plan.dst_kind != memory_kind::device && plan.dst_kind != memory_kind::managed) {
         (void)preload_sm_copy(device_ref(s.device())); // false: copy engines make them
     }
-    bulk_streams::instance().note_work(s.get());
-    co_await copy_task(plan, s, opt);
+    co_await copy_task(plan, s, opt, true);
 }
 
 /// A copy on lane `l`, its stream `s`.

@@ -333,7 +333,9 @@ struct pipeline_core {
     /// Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
     /// @throws cuda_error; what a stage throws
     void enqueue(flight& f, const In* src, Out* dst) {
-        bulk_registration.note_work();
+        // The D2H stream's work is noted once enqueued, at the scope's end
+        // (detail/bulk_streams.hpp).
+        const auto noted = bulk_registration.enqueuing();
         slot& sl = *slots[f.slot];
         f.timed = monitor.timing();
         std::vector<event>* t = f.timed ? &monitor.set(f.timing_set) : nullptr;
