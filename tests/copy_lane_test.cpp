@@ -23,9 +23,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <set>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -141,6 +143,96 @@ TEST_F(copy_lane_gpu, threads_asking_at_once_get_the_one_set) {
     }
 }
 
+// The first use of a device's lanes loads no kernel and waits for none of the device's work. A
+// kernel spins until a flag in device memory is set; the process's first lane copy sets it (on
+// the small lane). Loading a kernel on the device then would wait for the spinning kernel, which
+// waits for the copy. Where there is a second device, a lane copy to it from another thread
+// meanwhile does not wait either (its lanes made before). In a child process, where the lanes
+// are made once; the kernel gives up after 10 s, so a failure cannot hang.
+TEST_F(copy_lane_gpu, the_first_lane_copy_does_not_wait_for_the_device_s_running_work) {
+    auto child = [] {
+        using clock = std::chrono::steady_clock;
+        auto fail = [](const std::string& why) {
+            std::fprintf(stderr, "%s\n", why.c_str());
+            std::exit(1);
+        };
+        auto seconds = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
+        try {
+            // Everything but the lanes is made before the kernel: page-locked allocations, for
+            // one, wait for the device's work.
+            constexpr std::size_t n = 1024;
+            const bool two = cudawait::device_count() >= 2;
+            cudawait::scheduler sched;
+            cudawait::stream busy;
+            cudawait::device_buffer<u32> flag(1, busy);
+            cudawait::testing::mapped_words host(n); // word 0: the flag's value, then B's words
+            host.write(0, 0);
+            cudawait::sync_wait(sched, cudawait::copy(std::span<u32>(flag.data(), 1),
+                                                      std::span<const u32>(host.host, 1), busy));
+            host.write(0, 1);
+            std::optional<cudawait::stream> on_1;
+            cudawait::device_buffer<u32> dev_1;
+            cudawait::testing::mapped_words back_1(n);
+            if (two) {
+                (void)copy_lanes::for_device(device_ref(1)); // made while all is idle
+                on_1.emplace(device_ref(1));
+                dev_1 = cudawait::device_buffer<u32>(n, *on_1);
+                on_1->sync();
+            }
+            const auto want = random_words(n, 91);
+            std::copy(want.begin() + 1, want.end(), host.host + 1);
+
+            const auto t0 = clock::now();
+            cudawait::check(
+                cudawait::testing::launch_wait_flag(flag.data(), 10'000'000'000ull, busy.get()),
+                "launch_wait_flag");
+            // B: a lane copy to device 1 and back while A makes device 0's lanes.
+            std::thread other;
+            double other_took = 0;
+            bool other_ok = true;
+            if (two) {
+                other = std::thread([&] {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                    cudawait::scheduler s1;
+                    const auto t = clock::now();
+                    cudawait::sync_wait(
+                        s1, cudawait::copy(dev_1, std::span<const u32>(host.host, n), lane::small));
+                    cudawait::sync_wait(
+                        s1, cudawait::copy(std::span<u32>(back_1.host, n), dev_1, lane::small));
+                    other_took = seconds(clock::now() - t);
+                    other_ok = std::equal(want.begin() + 1, want.end(), back_1.host + 1) &&
+                               back_1.read(0) == 1;
+                });
+            }
+            // A: the process's first lane copy, to device 0.
+            cudawait::sync_wait(sched,
+                                cudawait::copy(std::span<u32>(flag.data(), 1),
+                                               std::span<const u32>(host.host, 1), lane::small));
+            const double copied = seconds(clock::now() - t0);
+            busy.sync();
+            const double ended = seconds(clock::now() - t0);
+            if (other.joinable()) {
+                other.join();
+            }
+            std::fprintf(stderr, "copied after %.3f s, the kernel ended after %.3f s\n", copied,
+                         ended);
+            if (copied > 2.0 || ended > 5.0) {
+                fail("the first lane copy waited for the device's running kernel");
+            }
+            if (two && (other_took > 2.0 || !other_ok)) {
+                fail("the copy to the other device waited (" + std::to_string(other_took) +
+                     " s) or is wrong");
+            }
+        } catch (const std::exception& e) {
+            fail(std::string("threw: ") + e.what());
+        }
+        std::fprintf(stderr, "the first lane copy did not wait\n");
+        std::exit(0);
+    };
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "the first lane copy did not wait");
+}
+
 // A lane is ordered with nothing of the caller's: a small copy completes while a user stream is
 // still busy with a long kernel, and while the legacy default stream is.
 TEST_F(copy_lane_gpu, a_lane_copy_does_not_wait_for_the_callers_streams) {
@@ -244,6 +336,103 @@ TEST(copy_lane, sm_copies_are_off_by_default) {
     EXPECT_EQ(cudawait::copy_options{}.sm_copy_bytes, 0u);
     EXPECT_NE(std::strstr(cudawait::detail::sm_copy_ptx, cudawait::detail::sm_copy_kernel_name),
               nullptr);
+}
+
+// Where the SM copy kernel cannot be loaded (here: PTX of an ISA version no driver has, refused
+// as the driver refuses PTX too new for the device or for itself), a pipeline and the lanes are
+// made all the same, and every copy, sm_copy_bytes set or not, is made exactly by a copy engine.
+// In a child process: the kernel is loaded once per process.
+TEST_F(copy_lane_gpu, where_the_kernel_cannot_be_loaded_copy_engines_make_the_copies) {
+    auto child = [] {
+        static const std::string unloadable = [] {
+            std::string t = cudawait::detail::sm_copy_ptx;
+            t.replace(t.find(".version 7.0"), 12, ".version 99.9");
+            return t;
+        }();
+        cudawait::detail::g_sm_copy_ptx.store(unloadable.c_str());
+        auto fail = [](const std::string& why) {
+            std::fprintf(stderr, "%s\n", why.c_str());
+            std::exit(1);
+        };
+        try {
+            constexpr u32 salt = 0x5e1f;
+            cudawait::pipeline_options o;
+            o.chunk_elements = 4096;
+            cudawait::pipeline<u32> pipe(
+                o, {[](std::span<u32> in, std::span<u32> out, cudawait::stream_ref st) {
+                    cudawait::check(cudawait::testing::launch_transform(
+                                        in.data(), out.data(), in.size(), salt, 0, st.get()),
+                                    "launch_transform");
+                }});
+            const std::size_t total = 3 * o.chunk_elements + 17;
+            const auto in = random_words(total, 81);
+            std::vector<u32> want(total);
+            for (std::size_t off = 0; off < total; off += o.chunk_elements) {
+                const std::size_t k = std::min(o.chunk_elements, total - off);
+                cudawait::testing::transform_on_host(in.data() + off, want.data() + off, k, salt);
+            }
+            std::vector<u32> out(total, 0xdeadbeef);
+            cudawait::scheduler sched;
+            cudawait::sync_wait(sched, pipe.run(std::span<const u32>(in), std::span<u32>(out)));
+            if (out != want) {
+                fail("the pipeline's output is wrong");
+            }
+
+            // Small copies both ways between device and page-locked memory, asked to go by the
+            // SMs.
+            cudawait::copy_options by_sms;
+            by_sms.sm_copy_bytes = 64_KiB;
+            const std::size_t n = 4096 + 3;
+            const auto up = random_words(n, 82);
+            cudawait::pinned_buffer<u32> pin(n);
+            std::copy(up.begin(), up.end(), pin.data());
+            cudawait::stream s;
+            cudawait::device_buffer<u32> dev(n, s);
+            s.sync();
+            const unsigned long long made = cudawait::detail::sm_copies_enqueued.load();
+            cudawait::sync_wait(sched, cudawait::copy(dev, pin, by_sms));
+            std::fill(pin.data(), pin.data() + n, 0xdeadbeef);
+            cudawait::sync_wait(sched, cudawait::copy(pin, dev, by_sms));
+            if (!std::equal(up.begin(), up.end(), pin.data())) {
+                fail("a small copy is wrong");
+            }
+            if (cudawait::detail::sm_copies_enqueued.load() != made) {
+                fail("a copy went by the SMs");
+            }
+            if (cudawait::detail::preload_sm_copy(device_ref(0))) {
+                fail("the kernel is said to be loaded");
+            }
+        } catch (const std::exception& e) {
+            fail(std::string("threw: ") + e.what());
+        }
+        std::fprintf(stderr, "made by the copy engines\n");
+        std::exit(0);
+    };
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "made by the copy engines");
+}
+
+// Any other failure still surfaces: after a fault (a sticky error) the preload throws, and SM
+// copies are not taken to be off.
+TEST_F(copy_lane_gpu, a_sticky_error_fails_the_preload) {
+    auto child = [] {
+        const device_ref dev(0);
+        cudawait::stream s;
+        (void)cudawait::testing::launch_fault(s.get());
+        (void)cudaStreamSynchronize(s.get());
+        try {
+            (void)cudawait::detail::preload_sm_copy(dev);
+            std::fprintf(stderr, "no exception\n");
+        } catch (const cudawait::cuda_error& e) {
+            using cudawait::detail::sm_copy_devices;
+            std::fprintf(stderr, "the preload failed (%s): %s\n",
+                         e.sticky() ? "sticky" : "not sticky", e.what());
+            std::exit(sm_copy_devices::get(dev) == sm_copy_devices::unknown ? 0 : 1);
+        }
+        std::exit(1);
+    };
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "the preload failed \\(sticky\\)");
 }
 
 // Every size and alignment the kernel treats differently (16-byte words, 4-byte words, bytes;
@@ -514,8 +703,8 @@ void small_h2d_copy(beside_bulk& b, const Src& up, const cudawait::copy_options&
 // With the default options a small D2H copy into page-locked memory on the lane goes by the SMs
 // while a bulk D2H copy of the device runs and completes before it; with the bulk lane idle, or
 // busy_sm_copy_bytes 0, or for a copy to the device, a copy engine makes it. It is the process's
-// first SM copy: the lanes loaded the kernel when they were made, so the copy does not wait for
-// a loading that waits for the bulk copy.
+// first SM copy: the bulk lane loaded the kernel before its first D2H copy, so the copy does not
+// wait for a loading that waits for the bulk copy.
 TEST_F(copy_lane_gpu, a_small_d2h_copy_goes_by_the_sms_while_a_bulk_d2h_copy_runs) {
     beside_bulk b(0x3c, 74);
     cudawait::pinned_buffer<u32> back(beside_bulk::n);
@@ -546,6 +735,65 @@ TEST_F(copy_lane_gpu, a_small_pageable_copy_goes_by_the_sms_through_its_pinned_b
     const unsigned long long made = sm_copies();
     small_h2d_copy(b, up, by_sms);
     EXPECT_EQ(sm_copies(), made + 1) << "the H2D copy was not made by the SMs";
+}
+
+// A pipeline notes a chunk's work once the chunk is enqueued. A small copy that asks whether the
+// device's bulk D2H streams are busy while the chunk is being enqueued (here: from the chunk's
+// stage, before its D2H is enqueued) finds them idle, and that answer is kept; one that asks
+// after the chunk was enqueued must find its D2H pending (held behind a kernel spinning on a
+// flag). When the pipeline noted its work before enqueueing, the idle answer was kept past the
+// enqueue, so the chunk's D2H went unseen (and small D2H copies queued behind it on a copy engine)
+// until the next chunk.
+TEST_F(copy_lane_gpu, a_chunk_s_work_is_seen_once_the_chunk_is_enqueued) {
+    bulk_streams& registry = bulk_streams::instance();
+    cudawait::testing::mapped_words flag(1);
+    flag.write(0, 0);
+    const std::size_t chunk = 1 << 12;
+    cudawait::pipeline_options o;
+    o.depth = 2;
+    o.chunk_elements = chunk;
+    constexpr u32 salt = 0x3d15;
+    bool asked_in_stage = false;
+    bool pending_in_stage = true;
+    cudawait::pipeline<u32> pipe(
+        o, {[&](std::span<u32> in, std::span<u32> out, cudawait::stream_ref st) {
+            pending_in_stage = registry.pending(0);
+            asked_in_stage = true;
+            cudawait::check(cudawait::testing::launch_transform(in.data(), out.data(), in.size(),
+                                                                salt, 0, st.get()),
+                            "launch_transform");
+            cudawait::check(
+                cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st.get()),
+                "launch_wait_flag");
+        }});
+    const auto in = random_words(chunk, 95);
+    std::vector<u32> expect(chunk);
+    cudawait::testing::transform_on_host(in.data(), expect.data(), chunk, salt);
+    cudawait::pinned_buffer<u32> pin_in(chunk);
+    cudawait::pinned_buffer<u32> pin_out(chunk);
+    std::copy(in.begin(), in.end(), pin_in.data());
+    std::fill(pin_out.data(), pin_out.data() + chunk, 0xdeadbeef);
+    cudawait::scheduler sched;
+    bool pending_after = false;
+    auto ask = [&]() -> cudawait::task<void> {
+        // The stage runs inside the chunk's enqueue, on this thread: once it has run and this
+        // coroutine runs again, the enqueue is over.
+        const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!asked_in_stage && std::chrono::steady_clock::now() < limit) {
+            co_await sched.schedule();
+        }
+        pending_after = registry.pending(0);
+        flag.write(0, 1);
+    };
+    cudawait::sync_wait(sched,
+                        cudawait::when_all(pipe.run(std::span<const u32>(pin_in.data(), chunk),
+                                                    std::span<u32>(pin_out.data(), chunk)),
+                                           ask()));
+    ASSERT_TRUE(asked_in_stage);
+    EXPECT_FALSE(pending_in_stage) << "no bulk D2H work was pending yet";
+    EXPECT_TRUE(pending_after) << "the chunk's D2H was not seen";
+    EXPECT_EQ(std::memcmp(pin_out.data(), expect.data(), chunk * sizeof(u32)), 0);
+    EXPECT_FALSE(registry.pending(0)) << "all done";
 }
 
 // A pipeline notes its work: while a chunk's D2H waits for its stage (then a kernel held on a

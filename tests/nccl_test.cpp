@@ -676,4 +676,75 @@ TEST_F(nccl_gpu, an_await_whose_stream_stalls_times_out_and_aborts) {
     }
 }
 
+// Two awaits on one communicator, neither of whose collectives can run (each stream held by a
+// kernel spinning on a flag, as a rank that never joins would hold them): the first times out
+// and aborts the communicator; the second, with a far longer timeout, must stop polling the
+// aborted handle (ncclCommAbort frees it) and fail at once with the same error. Before, it kept
+// calling ncclCommGetAsyncError on the handle while another thread aborted it, and failed only at
+// its own timeout.
+TEST_F(nccl_gpu, awaits_on_a_communicator_another_await_aborted_fail_with_its_error) {
+    std::vector<int> zero{0};
+    auto comms = nccl::communicator::init_all(zero);
+    stream s1;
+    stream s2;
+    cudawait::testing::mapped_words flag(1);
+    flag.write(0, 0);
+    constexpr std::size_t count = 4096;
+    const auto in = random_values<float>(count, 43);
+    dev_array<float> send(0, count);
+    dev_array<float> recv1(0, count);
+    dev_array<float> recv2(0, count);
+    send.upload(in);
+    recv1.poison();
+    recv2.poison();
+    using clock = std::chrono::steady_clock;
+    struct outcome {
+        bool threw = false;
+        bool timed_out = false;
+        std::string what;
+        clock::duration after{};
+    };
+    outcome first;
+    outcome second;
+    {
+        scheduler s;
+        const auto t0 = clock::now();
+        auto await_one = [&](dev_array<float>& recv, stream& st, std::chrono::nanoseconds timeout,
+                             outcome& out) -> task<void> {
+            try {
+                co_await nccl::all_reduce<float>(send.span(), recv.span(), ncclSum, comms[0], st,
+                                                 {.timeout = timeout});
+            } catch (const nccl::error& e) {
+                out = {true, e.timed_out(), e.what(), clock::now() - t0};
+            }
+        };
+        // Both kernels end by themselves after 20 s if the flag never comes: a failure cannot
+        // hang.
+        for (stream* st : {&s1, &s2}) {
+            check(cudawait::testing::launch_wait_flag(flag.device, 20'000'000'000ull, st->get()),
+                  "launch_wait_flag");
+        }
+        sync_wait(s, cudawait::when_all(await_one(recv1, s1, 300ms, first),
+                                        await_one(recv2, s2, 15s, second)));
+        EXPECT_FALSE(comms[0].valid()) << "the communicator is aborted";
+        EXPECT_FALSE(s1.ready()) << "the kernel must still be spinning";
+        flag.write(0, 1);
+        s1.sync();
+        s2.sync();
+        s.run(); // the event waits and the abort's thread
+        const auto left = s.pending();
+        EXPECT_EQ(left.event_waits, 0u);
+        EXPECT_EQ(left.stream_waits, 0u);
+    }
+    ASSERT_TRUE(first.threw) << "the first await did not fail";
+    ASSERT_TRUE(second.threw) << "the second await did not fail";
+    EXPECT_TRUE(first.timed_out) << first.what;
+    EXPECT_GE(first.after, 300ms);
+    EXPECT_TRUE(second.timed_out) << second.what;
+    EXPECT_EQ(second.what, first.what) << "the second await fails with the abort's error";
+    EXPECT_LT(second.after, first.after + 2s)
+        << "the second await went on after the abort (it failed after "
+        << std::chrono::duration<double>(second.after).count() << " s)";
+}
+
 } // namespace

@@ -60,10 +60,13 @@
 // microseconds faster, when they are idle. The choice is made when the copy is awaited. With
 // options.sm_copy_bytes set, every small-lane copy of at most that many bytes between device
 // memory and page-locked host memory, either way, is made by the kernel. It is loaded once per
-// process and device from PTX text (no nvcc needed in the user's build) when the lanes or a
-// pipeline are made; other copies are unaffected. A small-lane copy with pageable memory on one
-// side (a std::vector) is chosen the same way for its pinned block: the SMs copy between the
-// device and the block, and a host memcpy between the block and the vector.
+// process and device from PTX text (no nvcc needed in the user's build) when a pipeline is made,
+// before the bulk lane's first D2H copy, else before the first copy it makes (loading waits for
+// the device's running work; the lanes themselves load nothing); where it cannot be (a GPU or
+// driver the PTX does not suit), a copy engine makes those copies too. Other copies are
+// unaffected. A small-lane copy with pageable memory on one side (a std::vector) is chosen the
+// same way for its pinned block: the SMs copy between the device and the block, and a host
+// memcpy between the block and the vector.
 
 #include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
@@ -293,7 +296,8 @@ struct sm_copy_route {
 };
 
 /// The route of `plan` through the SMs: device memory of one device on one side, page-locked
-/// host memory that device can address on the other; else none (the copy engine takes it).
+/// host memory that device can address on the other, and a device the kernel can run on (loaded
+/// there now if nothing did so before: detail/sm_copy.hpp); else none (the copy engine takes it).
 /// @throws cuda_error
 template <class = void>
 std::optional<sm_copy_route> sm_route(const copy_plan& plan) {
@@ -307,6 +311,9 @@ std::optional<sm_copy_route> sm_route(const copy_plan& plan) {
     const int dev = pointer_device(to_device ? static_cast<const void*>(plan.dst) : plan.src);
     if (dev < 0) {
         return std::nullopt; // stated device memory the driver does not know
+    }
+    if (!preload_sm_copy(device_ref(dev))) {
+        return std::nullopt; // the kernel cannot run there (detail/sm_copy.hpp)
     }
     void* host = host_memory_on_device(to_device ? static_cast<const void*>(plan.src) : plan.dst,
                                        device_ref(dev));
@@ -329,16 +336,25 @@ void enqueue_by_the_sms(const copy_plan& plan, const sm_copy_route& r, stream_re
     }
 }
 
+/// The copy of `plan` on `s`, awaited. `noted`: whether to note the work in bulk_streams after
+/// each enqueue (the bulk lane's copies; detail/bulk_streams.hpp).
 template <class = void>
-task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt) {
+task<void> copy_task(copy_plan plan, stream_ref s, copy_options opt, bool noted = false) {
+    auto note = [&] {
+        if (noted) {
+            bulk_streams::instance().note_work(s.get());
+        }
+    };
     if (!plan.staged()) {
         enqueue_direct(plan, s);
+        note();
         co_await s;
         co_return;
     }
     staged_copy sc(plan.dst, plan.src, plan.bytes, plan.to_device(), s, staging_pool(opt),
                    opt.chunk_bytes, opt.depth);
     while (cudaEvent_t ev = sc.advance()) {
+        note();
         co_await event_ref(ev);
     }
     if (plan.to_device()) {
@@ -414,12 +430,16 @@ task<void> small_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
     co_await s;
 }
 
-/// A copy on the bulk lane (its stream `s`), as copy_task; the D2H stream's work is noted first
-/// (detail/bulk_streams.hpp: the other lane streams are not registered, and nothing happens).
+/// A copy on the bulk lane (its stream `s`), as copy_task; the D2H stream's work is noted after
+/// each enqueue (detail/bulk_streams.hpp: the other lane streams are not registered, and nothing
+/// happens). Before the D2H stream's first copy the SM copy kernel is loaded on its device: the
+/// small D2H copies the SMs make beside it must not wait for a loading that waits for it.
 template <class = void>
 task<void> bulk_lane_copy(copy_plan plan, stream_ref s, copy_options opt) {
-    bulk_streams::instance().note_work(s.get());
-    co_await copy_task(plan, s, opt);
+    if (plan.dst_kind != memory_kind::device && plan.dst_kind != memory_kind::managed) {
+        (void)preload_sm_copy(device_ref(s.device())); // false: copy engines make them
+    }
+    co_await copy_task(plan, s, opt, true);
 }
 
 /// A copy on lane `l`, its stream `s`.

@@ -29,9 +29,11 @@
 // bulk D2H streams is busy, the lane's small D2H copies are made by the SMs (copy.hpp:
 // copy_options::busy_sm_copy_bytes): 18-21 us beside the chunks. Every small copy beside a
 // saturated link still takes 1.4-2.4x its idle time, its bytes queued behind the bulk's (an
-// awaited event with no copy: 1.2-1.7x). The lanes load the SM copy kernel on their device when
-// they are made (detail/sm_copy.hpp says why), and register their bulk D2H stream
-// (detail/bulk_streams.hpp).
+// awaited event with no copy: 1.2-1.7x). The lanes register their bulk D2H stream
+// (detail/bulk_streams.hpp); the SM copy kernel is loaded on the device before the bulk lane's
+// first D2H copy (detail/sm_copy.hpp says why). Making the lanes loads no kernel: loading one
+// waits for the device's running work, and so would never end beside a kernel that waits for a
+// flag the small lane is to copy.
 //
 // Ordering. A copy on a lane is ordered with the lane's earlier copies only, not with the
 // caller's streams: the data must be ready when the copy is made (await the stream of the
@@ -50,7 +52,6 @@
 
 #include <cudawait/detail/bulk_streams.hpp>
 #include <cudawait/detail/fork_guard.hpp>
-#include <cudawait/detail/sm_copy.hpp>
 
 #include <cstddef>
 #include <mutex>
@@ -101,29 +102,47 @@ enum class copy_direction {
 class copy_lanes {
 public:
     /// The lanes of `dev`, made on first use (thread-safe; later calls take a mutex and return).
-    /// A template (of an unused parameter) so that only a translation unit that uses the lanes
-    /// instantiates what they are made of.
+    /// The first call for a device makes its four streams under that device's own mutex, not the
+    /// registry's, so that calls for other devices go on meanwhile (CUDA calls on a device wait
+    /// while the driver loads a module there); it loads no kernel and waits for no work of the
+    /// device. A template (of an unused parameter) so that only a translation unit that uses the
+    /// lanes instantiates what they are made of.
     /// @throws usage_error in a child process forked after the parent used the lanes;
     ///         cuda_error
     template <class = void>
     [[nodiscard]] static copy_lanes& for_device(device_ref dev) {
         registry& r = registry::instance();
-        std::lock_guard lock(r.mutex);
-        if (r.stamp.inherited()) {
-            throw usage_error("cudawait::copy_lanes::for_device used in a child process after "
-                              "fork(); CUDA state cannot be inherited: use CUDA in the child "
-                              "only if the parent did not, or exec a new program");
-        }
         const auto id = static_cast<std::size_t>(dev.get());
-        if (r.lanes.size() <= id) {
-            r.lanes.resize(id + 1);
+        registry::slot* slot = nullptr;
+        {
+            std::lock_guard lock(r.mutex);
+            if (r.stamp.inherited()) {
+                throw usage_error("cudawait::copy_lanes::for_device used in a child process after "
+                                  "fork(); CUDA state cannot be inherited: use CUDA in the child "
+                                  "only if the parent did not, or exec a new program");
+            }
+            if (r.slots.size() <= id) {
+                r.slots.resize(id + 1);
+            }
+            if (r.slots[id] == nullptr) {
+                r.slots[id] = new registry::slot();
+            }
+            slot = r.slots[id];
+            if (slot->lanes != nullptr) {
+                return *slot->lanes;
+            }
         }
-        if (!r.lanes[id]) {
+        // One caller makes them; the others for the device wait here, and find them made. The
+        // lanes are written under both mutexes, so reading them under either is safe.
+        std::lock_guard making(slot->mutex);
+        if (slot->lanes == nullptr) {
             // A throw leaves the slot empty (the streams made so far are destroyed), so that a
             // later call tries again.
-            r.lanes[id] = new copy_lanes(dev);
+            copy_lanes* made = new copy_lanes(dev);
+            std::lock_guard lock(r.mutex);
+            slot->lanes = made;
         }
-        return *r.lanes[id];
+        return *slot->lanes;
     }
 
     copy_lanes(const copy_lanes&) = delete;
@@ -144,11 +163,16 @@ public:
 private:
     /// The lanes of every device used so far. Never destroyed, like the streams.
     struct registry {
+        /// One device's lanes, and the mutex their making holds.
+        struct slot {
+            std::mutex mutex;
+            copy_lanes* lanes = nullptr;
+        };
         std::mutex mutex;
         detail::fork_stamp stamp; ///< the process whose CUDA context owns the streams
         /// By device id. Never deleted (as the registry); plain pointers, because a vector of
         /// std::unique_ptr here would be instantiated in every translation unit.
-        std::vector<copy_lanes*> lanes;
+        std::vector<slot*> slots;
 
         static registry& instance() {
             static registry* r = new registry();
@@ -167,11 +191,9 @@ private:
         stream small_d2h(dev, high);
         stream bulk_h2d(dev, low);
         stream bulk_d2h(dev, low);
-        // Loaded now, so that a small copy the SMs make beside bulk work does not wait for it.
-        detail::preload_sm_copy(dev, small_d2h);
         // The bulk D2H stream is one that makes small D2H copies go by the SMs while busy.
-        // Registered last, as the lanes are kept from here on: registered before a throw, the
-        // destroyed stream would stay in the registry, to be queried by every small D2H copy.
+        // Registered last, once nothing here can throw: a destroyed stream left in the registry
+        // would be queried by every small D2H copy.
         (void)detail::bulk_streams::instance().add(m_device, {bulk_d2h.get()});
         m_small_h2d = small_h2d.release();
         m_small_d2h = small_d2h.release();

@@ -40,7 +40,8 @@
 // once. The send and receive buffers must stay alive until the stream drained (synchronise it,
 // or await it): the GPU may still read and write them. The event the wait recorded stays
 // tracked by the scheduler until the GPU completed it, so nothing the library owns is reused
-// early. The communicator is empty after an abort (get() throws usage_error).
+// early. The communicator is empty after an abort (get() throws usage_error). The other awaits
+// on it stop polling it once the abort started (the handle is gone) and throw the same error.
 //
 // Environment. NVLink SHARP (NVLS) must be off on the GPU machines this library is tested on:
 // set NCCL_NVLS_ENABLE=0 in the environment before the first NCCL call (and in the environment
@@ -74,6 +75,8 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <source_location>
 #include <span>
 #include <stdexcept>
@@ -373,6 +376,47 @@ struct unique_id {
     }
 };
 
+namespace detail {
+
+/// What a communicator and every await on it share: the handle while it may be used, and why it
+/// was aborted. The awaits poll the handle, and abort it, under the mutex only, so that none
+/// calls NCCL with it once an abort started (ncclCommAbort frees it) and no two call NCCL on it
+/// at once.
+struct comm_state {
+    std::mutex mutex;
+    ncclComm_t comm = nullptr; ///< null once aborted, destroyed or released
+    bool aborted = false;      ///< by an await (why), or by the communicator's abort() or end
+    std::optional<error> why;
+
+    /// Marks the handle gone for the awaits; `e`: the error an await aborted it for. Under the
+    /// mutex. Does not throw: an error that cannot be kept is replaced at rethrow().
+    void mark_aborted(const error* e) noexcept {
+        aborted = true;
+        comm = nullptr;
+        if (e != nullptr) {
+            try {
+                why.emplace(*e);
+            } catch (...) {
+                // No memory for a copy: rethrow() makes a plainer error.
+            }
+        }
+    }
+
+    /// What an await throws once the handle was aborted. Under the mutex.
+    /// @throws error, always
+    [[noreturn]] void rethrow() const {
+        if (why) {
+            throw *why;
+        }
+        throw error(ncclInvalidUsage, "cudawait::nccl::communicator",
+                    "aborted or destroyed while an await on it ran");
+    }
+};
+
+struct comm_access;
+
+} // namespace detail
+
 /// How long an await may take and how often it looks at the communicator's async error.
 struct wait_options {
     /// Zero: no limit.
@@ -390,12 +434,13 @@ public:
     communicator(const communicator&) = delete;
     communicator& operator=(const communicator&) = delete;
     communicator(communicator&& o) noexcept
-        : m_comm(std::exchange(o.m_comm, nullptr)), m_rank(o.m_rank), m_size(o.m_size),
-          m_device(o.m_device), m_blocking(o.m_blocking) {}
+        : m_comm(std::exchange(o.m_comm, nullptr)), m_shared(std::move(o.m_shared)),
+          m_rank(o.m_rank), m_size(o.m_size), m_device(o.m_device), m_blocking(o.m_blocking) {}
     communicator& operator=(communicator&& o) noexcept {
         if (this != &o) {
             destroy();
             m_comm = std::exchange(o.m_comm, nullptr);
+            m_shared = std::move(o.m_shared);
             m_rank = o.m_rank;
             m_size = o.m_size;
             m_device = o.m_device;
@@ -415,10 +460,15 @@ public:
         std::vector<ncclComm_t> raw(devices.size(), nullptr);
         std::vector<communicator> out;
         out.reserve(devices.size());
+        std::vector<std::shared_ptr<detail::comm_state>> shared;
+        for (std::size_t i = 0; i < devices.size(); ++i) {
+            shared.push_back(std::make_shared<detail::comm_state>());
+        }
         detail::check(ncclCommInitAll(raw.data(), static_cast<int>(devices.size()), devices.data()),
                       "ncclCommInitAll");
-        for (ncclComm_t c : raw) {
-            out.push_back(communicator(c, true)); // owned from here: destroyed on a throw
+        for (std::size_t i = 0; i < raw.size(); ++i) {
+            // Owned from here: destroyed on a throw.
+            out.push_back(communicator(raw[i], true, std::move(shared[i])));
         }
         for (communicator& c : out) {
             c.describe();
@@ -441,9 +491,10 @@ public:
     [[nodiscard]] static communicator init_rank(const unique_id& id, int nranks, int rank,
                                                 int device) {
         device_guard guard{device_ref(device)};
+        auto shared = std::make_shared<detail::comm_state>();
         ncclComm_t raw = nullptr;
         detail::check(ncclCommInitRank(&raw, nranks, id.value, rank), "ncclCommInitRank");
-        communicator c(raw, true);
+        communicator c(raw, true, std::move(shared));
         c.describe();
         return c;
     }
@@ -459,9 +510,9 @@ public:
 
     /// Takes ownership of `comm`; `blocking`: whether it was made with blocking = 1 (the
     /// default of every NCCL init but a config's).
-    /// @throws error when NCCL cannot describe it (then it is not destroyed)
+    /// @throws error when NCCL cannot describe it, std::bad_alloc (then it is not destroyed)
     [[nodiscard]] static communicator from_native_handle(ncclComm_t comm, bool blocking = true) {
-        communicator c(comm, blocking);
+        communicator c(comm, blocking, std::make_shared<detail::comm_state>());
         try {
             c.describe();
         } catch (...) {
@@ -471,8 +522,12 @@ public:
         return c;
     }
 
-    /// Gives up ownership: the caller destroys the handle.
-    [[nodiscard]] ncclComm_t release() noexcept { return std::exchange(m_comm, nullptr); }
+    /// Gives up ownership: the caller destroys the handle. Awaits on it still pending stop
+    /// polling its async error (they only await their streams' work).
+    [[nodiscard]] ncclComm_t release() noexcept {
+        forget(false);
+        return std::exchange(m_comm, nullptr);
+    }
 
     /// The handle. @throws usage_error on an empty communicator
     [[nodiscard]] ncclComm_t get() const {
@@ -493,15 +548,38 @@ public:
 
     /// ncclCommAbort, on the calling thread: NCCL's kernels of this communicator that still run
     /// return early. Blocks until the streams it used reached its last collective (see the
-    /// synopsis). The communicator is empty afterwards. A failure is reported on stderr.
+    /// synopsis). The communicator is empty afterwards; awaits on it still pending throw
+    /// error (ncclInvalidUsage), as they do when it is destroyed. A failure is reported on
+    /// stderr.
     void abort() noexcept {
         if (m_comm != nullptr) {
+            forget(true);
             detail::report(ncclCommAbort(std::exchange(m_comm, nullptr)), "ncclCommAbort");
         }
     }
 
 private:
-    communicator(ncclComm_t comm, bool blocking) noexcept : m_comm(comm), m_blocking(blocking) {}
+    friend struct detail::comm_access;
+
+    communicator(ncclComm_t comm, bool blocking,
+                 std::shared_ptr<detail::comm_state> shared) noexcept
+        : m_comm(comm), m_shared(std::move(shared)), m_blocking(blocking) {
+        m_shared->comm = comm;
+    }
+
+    /// Takes the handle from the awaits that share it, under their mutex (so that none is in an
+    /// NCCL call with it then): `ending`, it is aborted or destroyed next (they throw error), else
+    /// released (they stop polling).
+    void forget(bool ending) noexcept {
+        if (m_shared != nullptr) {
+            std::lock_guard lock(m_shared->mutex);
+            if (ending) {
+                m_shared->mark_aborted(nullptr);
+            }
+            m_shared->comm = nullptr;
+        }
+        m_shared.reset();
+    }
 
     void describe() {
         detail::check(ncclCommUserRank(m_comm, &m_rank), "ncclCommUserRank", m_comm);
@@ -511,11 +589,13 @@ private:
 
     void destroy() noexcept {
         if (m_comm != nullptr) {
+            forget(true);
             detail::report(ncclCommDestroy(std::exchange(m_comm, nullptr)), "ncclCommDestroy");
         }
     }
 
     ncclComm_t m_comm = nullptr;
+    std::shared_ptr<detail::comm_state> m_shared; ///< with the awaits on it
     int m_rank = -1;
     int m_size = 0;
     int m_device = -1;
@@ -525,6 +605,22 @@ private:
 namespace detail {
 
 using cudawait::detail::scheduler_access;
+
+/// The awaits' way into a communicator.
+struct comm_access {
+    /// The state `c` shares with its awaits. @throws usage_error on an empty communicator
+    static std::shared_ptr<comm_state> shared(communicator& c) {
+        (void)c.get();
+        return c.m_shared;
+    }
+    /// Empties `c` once an await took its handle (`comm`) to abort it.
+    static void aborted(communicator& c, ncclComm_t comm) noexcept {
+        if (c.m_comm == comm) {
+            c.m_comm = nullptr;
+            c.m_shared.reset();
+        }
+    }
+};
 
 /// ncclCommAbort on a thread of its own, so that the scheduler's loop goes on while NCCL waits
 /// for the streams (see the synopsis). The scheduler counts it as a child: run() and its
@@ -546,7 +642,7 @@ inline void abort_detached(scheduler& s, ncclComm_t comm) noexcept {
 /// What an nccl wait's awaiter and the detached coroutine that awaits the stream share.
 struct wait_state {
     scheduler* sched = nullptr;
-    ncclComm_t comm = nullptr;
+    std::shared_ptr<comm_state> shared; ///< the communicator's handle, polled under its mutex
     std::chrono::nanoseconds poll{};
     bool done = false; ///< the captured work completed (or its wait failed)
     cudawait::detail::result_slot<void> result;
@@ -621,9 +717,22 @@ private:
                 }
                 s->poll_timer = nullptr;
                 ncclResult_t state = ncclSuccess;
-                const ncclResult_t q = ncclCommGetAsyncError(s->comm, &state);
-                if (q != ncclSuccess) {
-                    state = q;
+                bool gone = false;
+                {
+                    comm_state& c = *s->shared;
+                    std::lock_guard lock(c.mutex);
+                    if (c.aborted) {
+                        gone = true; // aborted by another: the await throws that error
+                    } else if (c.comm == nullptr) {
+                        return; // released: nothing to poll, the stream's work is awaited
+                    } else if (const ncclResult_t q = ncclCommGetAsyncError(c.comm, &state);
+                               q != ncclSuccess) {
+                        state = q;
+                    }
+                }
+                if (gone) {
+                    s->wake();
+                    return;
                 }
                 if (state != ncclSuccess && state != ncclInProgress) {
                     s->async = state;
@@ -657,7 +766,7 @@ inline task<void> await_collective(communicator& comm, stream_ref stream, wait_o
     auto work = cudawait::detail::captured_wait::of_stream(stream, std::source_location::current());
     auto st = std::make_shared<wait_state>();
     st->sched = &s;
-    st->comm = comm.get();
+    st->shared = comm_access::shared(comm);
     st->poll = std::max<std::chrono::nanoseconds>(opts.poll, std::chrono::microseconds(10));
     auto child = cudawait::detail::run_detached<void>(std::move(work), wait_sink{st});
     child.handle().promise().set_scheduler(&s);
@@ -665,26 +774,45 @@ inline task<void> await_collective(communicator& comm, stream_ref stream, wait_o
     child.handle().resume();
     co_await wait_awaiter(st, opts.timeout);
 
+    comm_state& shared = *st->shared;
+    std::unique_lock lock(shared.mutex);
+    if (shared.aborted) {
+        // Another await (or the communicator's owner) aborted it: the collective may have been
+        // cut short, and the handle is gone. That abort's error is this await's too.
+        shared.rethrow();
+    }
     ncclResult_t failed = st->async;
     if (st->done) {
         st->result.take(); // a CUDA failure the event reported: cuda_error
+        if (shared.comm == nullptr) {
+            co_return; // released meanwhile: nothing to ask
+        }
         // The work finished; an error NCCL noted meanwhile still fails the await.
         ncclResult_t state = ncclSuccess;
-        const ncclResult_t q = ncclCommGetAsyncError(st->comm, &state);
+        const ncclResult_t q = ncclCommGetAsyncError(shared.comm, &state);
         failed = q != ncclSuccess ? q : (state == ncclInProgress ? ncclSuccess : state);
         if (failed == ncclSuccess) {
             co_return;
         }
+    } else if (shared.comm == nullptr) {
+        lock.unlock();
+        throw error::timeout(api, opts.timeout, "the communicator was released meanwhile");
     }
-    const char* last = ncclGetLastError(st->comm);
+    const char* last = ncclGetLastError(shared.comm);
     const std::string detail = last ? last : "";
+    const error e =
+        st->expired && failed == ncclSuccess
+            ? error::timeout(api, opts.timeout, "the communicator was aborted")
+            : error(failed, api,
+                    detail + (detail.empty() ? "" : "; ") + "the communicator was aborted");
+    // From here the other awaits on it stop polling it and throw `e`.
+    ncclComm_t aborting = shared.comm;
+    shared.mark_aborted(&e);
+    lock.unlock();
+    comm_access::aborted(comm, aborting);
     // Aborted off the loop: NCCL's abort waits for the stream to reach the collective.
-    abort_detached(s, comm.release());
-    if (st->expired && failed == ncclSuccess) {
-        throw error::timeout(api, opts.timeout, "the communicator was aborted");
-    }
-    throw error(failed, api,
-                detail + (detail.empty() ? "" : "; ") + "the communicator was aborted");
+    abort_detached(s, aborting);
+    throw e;
 }
 
 /// Enqueue's tail: inside an open group, the call only queued (a non-blocking communicator is

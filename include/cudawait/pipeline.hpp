@@ -70,7 +70,7 @@
 // its small device-to-host copies by the SMs, not behind the pipeline's chunks on a copy engine
 // (copy.hpp: copy_options::busy_sm_copy_bytes): the pipeline registers its D2H stream(s) for
 // that, and on the process's first construction on a device it loads the SM copy kernel there
-// (one launch over zero bytes on its D2H stream, synchronised: detail/sm_copy.hpp).
+// (detail/sm_copy.hpp; where the kernel cannot run, a copy engine makes those copies).
 //
 // One mode at a time. A streaming session begins with the first acquire() and stays open while
 // slots are acquired or results held, while chunks are submitted and not yet taken, and after

@@ -19,9 +19,11 @@
 //
 // Asking costs a cudaStreamQuery per stream: with three streams registered it put 3-6 us on an
 // idle 4 KiB copy of 8-9 us (lane_bench), more than a small copy can spare. So each registration
-// carries a work count that its owner bumps before it enqueues work there (a pipeline once per
-// flight, the bulk lane once per D2H copy), and streams found idle are not asked again until their
-// count moves. Work others enqueue on those streams without a bump is not seen.
+// carries a work count that its owner bumps once it has enqueued work there (a pipeline once per
+// flight, the bulk lane after each D2H enqueue), and streams found idle are not asked again until
+// their count moves. A bump before the enqueue would not do: a small copy that asked in between
+// would find the streams idle and keep that answer while the work enqueued next runs, until the
+// next bump. Work others enqueue on those streams without a bump is not seen.
 
 #include <cudawait/error.hpp>
 
@@ -48,7 +50,7 @@ public:
     struct group {
         int device;
         std::vector<cudaStream_t> streams;
-        std::atomic<std::uint64_t> work{1}; ///< bumped by the owner before it enqueues work
+        std::atomic<std::uint64_t> work{1}; ///< bumped by the owner once it enqueued work
         std::uint64_t idle_at = 0;          ///< the work count when all were last seen idle
     };
 
@@ -79,7 +81,8 @@ public:
         }
     }
 
-    /// Bumps the work count of the group that holds `s` (none if no group does).
+    /// Bumps the work count of the group that holds `s` (none if no group does): call after
+    /// enqueueing work on `s`.
     void note_work(cudaStream_t s) noexcept {
         std::lock_guard lock(m_mutex);
         for (const auto& g : m_groups) {
@@ -156,12 +159,29 @@ public:
     basic_bulk_stream_registration& operator=(const basic_bulk_stream_registration&) = delete;
     ~basic_bulk_stream_registration() { release(); }
 
-    /// Call before enqueueing work on the streams: the next pending() asks them again.
+    /// Call after enqueueing work on the streams: the next pending() asks them again.
     void note_work() const noexcept {
         if (m_group != nullptr) {
             m_group->work.fetch_add(1, std::memory_order_release);
         }
     }
+
+    /// Notes work on the registration's streams when it goes (note_work), so that the note comes
+    /// after the enqueue calls made in its scope, however they end. The registration must
+    /// outlive it.
+    class enqueue_scope {
+    public:
+        explicit enqueue_scope(const basic_bulk_stream_registration& r) noexcept : m_owner(&r) {}
+        enqueue_scope(const enqueue_scope&) = delete;
+        enqueue_scope& operator=(const enqueue_scope&) = delete;
+        ~enqueue_scope() { m_owner->note_work(); }
+
+    private:
+        const basic_bulk_stream_registration* m_owner;
+    };
+
+    /// An enqueue_scope of this registration: hold it while enqueueing work on the streams.
+    [[nodiscard]] enqueue_scope enqueuing() const noexcept { return enqueue_scope(*this); }
 
 private:
     void release() noexcept {

@@ -326,7 +326,7 @@ struct pipeline_core {
         h2d.sync();
         // The small copies the lane makes by the SMs beside this pipeline's chunks must not
         // wait for the kernel's loading (detail/sm_copy.hpp).
-        preload_sm_copy(device_ref(options.device), d2h);
+        (void)preload_sm_copy(device_ref(options.device)); // false: a copy engine makes them
     }
     pipeline_core(const pipeline_core&) = delete;
     pipeline_core& operator=(const pipeline_core&) = delete;
@@ -380,7 +380,9 @@ struct pipeline_core {
     /// Enqueues one chunk: H2D from `src`, the stages, D2H to `dst`; records f.done after it.
     /// @throws cuda_error; what a stage throws
     void enqueue(flight& f, const In* src, Out* dst) {
-        bulk_registration.note_work();
+        // The D2H stream's work is noted once enqueued, at the scope's end
+        // (detail/bulk_streams.hpp).
+        const auto noted = bulk_registration.enqueuing();
         slot& sl = *slots[f.slot];
         f.timed = monitor.timing();
         std::vector<event>* t = f.timed ? &monitor.set(f.timing_set) : nullptr;

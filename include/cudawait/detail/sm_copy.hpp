@@ -11,11 +11,14 @@
 // never enters that queue: it runs on an SM between the pipeline's kernels and its stores share
 // the link with the chunk's DMA, packet by packet.
 //
-// The kernel is PTX text in this header (for sm_75 and later, PTX ISA 7.0, so that any driver of
-// CUDA 11 or later can compile it), loaded once per process with cudaLibraryLoadData and
-// launched with cudaLaunchKernel. A translation unit compiled by g++ alone can use it: no nvcc,
-// no device code in the user's objects. The library is never unloaded (a static destructor may
-// run after the driver has gone), and a forked child does not use the parent's handle.
+// The kernel is PTX text in this header (for sm_50 and later, PTX ISA 7.0, so that any driver of
+// CUDA 11 or later can compile it for any GPU it supports), loaded once per process with
+// cudaLibraryLoadData and launched with cudaLaunchKernel. A translation unit compiled by g++ alone
+// can use it: no nvcc, no device code in the user's objects. The library is never unloaded (a
+// static destructor may run after the driver has gone), and a forked child does not use the
+// parent's handle. It is loaded on a device before the first SM copy there (preload_sm_copy says
+// when and why); where it cannot be (no code the driver can make for the device), SM copies are
+// off there and a copy engine makes every copy.
 //
 // What it copies: `bytes` from `src` to `dst`, both device-addressable, in 16-byte words where
 // both addresses and the size are multiples of 16, else 4-byte words where they are multiples of
@@ -40,7 +43,7 @@ namespace cudawait::detail {
 /// The kernel `cudawait_sm_copy(const u8* src, u8* dst, u64 bytes)`, as PTX.
 inline constexpr char sm_copy_ptx[] = R"ptx(
 .version 7.0
-.target sm_75
+.target sm_50
 .address_size 64
 
 .visible .entry cudawait_sm_copy(
@@ -129,6 +132,9 @@ $L__BB0_8:
 
 /// The kernel's name in sm_copy_ptx.
 inline constexpr char sm_copy_kernel_name[] = "cudawait_sm_copy";
+/// Test hook: the PTX text the process loads the kernel from (sm_copy_ptx), read at the first
+/// load: other text makes the load fail as on a device or driver the PTX does not suit.
+inline std::atomic<const char*> g_sm_copy_ptx{sm_copy_ptx};
 /// SM copies enqueued by the process so far (for the tests: which way a copy went).
 inline std::atomic<unsigned long long> sm_copies_enqueued{0};
 
@@ -137,9 +143,30 @@ inline std::atomic<unsigned long long> sm_copies_enqueued{0};
 inline constexpr unsigned sm_copy_threads = 256;
 inline constexpr unsigned sm_copy_max_blocks = 16;
 
-/// The loaded kernel (cudaLibraryLoadData on first use, then kept for the process).
+/// True for a status that says the kernel's code cannot be made to run on the device: no code for
+/// its architecture, PTX the driver cannot compile (an ISA version newer than the driver's, a
+/// target newer than the device), no JIT compiler. Such a failure leaves the context usable:
+/// preload_sm_copy turns SM copies off on that device instead of failing.
+[[nodiscard]] constexpr bool sm_copy_load_failure(cudaError_t status) noexcept {
+    switch (status) {
+    case cudaErrorNoKernelImageForDevice:
+    case cudaErrorInvalidKernelImage:
+    case cudaErrorInvalidPtx:
+    case cudaErrorUnsupportedPtxVersion:
+    case cudaErrorJitCompilerNotFound:
+    case cudaErrorJitCompilationDisabled:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/// The loaded kernel (cudaLibraryLoadData on first use, then kept for the process). PTX the
+/// driver cannot compile for the device fails when the kernel is looked up (cudaLibraryGetKernel:
+/// cudaErrorInvalidPtx for a target newer than an H200's sm_90); a failure is not kept, a later
+/// call tries again.
 /// @throws usage_error in a child forked after the parent loaded it; cuda_error (a driver that
-///         cannot compile the PTX, for instance)
+///         cannot compile the PTX, for instance: sm_copy_load_failure)
 template <class = void>
 [[nodiscard]] cudaKernel_t sm_copy_kernel() {
     struct loaded {
@@ -155,7 +182,8 @@ template <class = void>
     }
     if (state->kernel == nullptr) {
         cudaLibrary_t library = nullptr;
-        check(cudaLibraryLoadData(&library, sm_copy_ptx, nullptr, nullptr, 0, nullptr, nullptr, 0),
+        check(cudaLibraryLoadData(&library, g_sm_copy_ptx.load(), nullptr, nullptr, 0, nullptr,
+                                  nullptr, 0),
               "cudaLibraryLoadData (the small-copy kernel)");
         cudaKernel_t kernel = nullptr;
         const cudaError_t st = cudaLibraryGetKernel(&kernel, library, sm_copy_kernel_name);
@@ -206,33 +234,75 @@ void enqueue_sm_copy(void* dst, const void* src, std::size_t bytes, device_ref d
     sm_copies_enqueued.fetch_add(1, std::memory_order_relaxed);
 }
 
-/// Loads the kernel on `dev` once per process, by a launch over zero bytes on `s` (a stream of
-/// `dev`), synchronised. The driver loads a kernel on a device at its first launch there, and
-/// loading waits for the work the device is running: a first small copy made beside a bulk copy
-/// would wait for it (1 GiB, in the tests). So whatever may make such copies beside bulk work
-/// (the copy lanes, a pipeline) loads it when it is made.
-/// @throws cuda_error
-template <class = void>
-void preload_sm_copy(device_ref dev, stream_ref s) {
-    struct loaded {
-        std::mutex mutex;
-        std::vector<bool> on; ///< per device id
-    };
-    static loaded* const state = new loaded(); // never destroyed, like the kernel
-    const auto id = static_cast<std::size_t>(dev.get());
-    {
-        std::lock_guard lock(state->mutex);
-        if (id < state->on.size() && state->on[id]) {
-            return;
+/// Per device id, whether the kernel is loaded there or cannot be, for the process (never
+/// destroyed, like the kernel). Thread-safe. A class template (of an unused parameter, always
+/// void) for the reason the functions here are templates; spelled sm_copy_devices.
+template <class Unused = void>
+class basic_sm_copy_devices {
+public:
+    enum state : unsigned char { unknown, loaded, unavailable };
+
+    [[nodiscard]] static state get(device_ref dev) {
+        table& t = instance();
+        const auto id = static_cast<std::size_t>(dev.get());
+        std::lock_guard lock(t.mutex);
+        return id < t.states.size() ? t.states[id] : unknown;
+    }
+    static void set(device_ref dev, state s) {
+        table& t = instance();
+        const auto id = static_cast<std::size_t>(dev.get());
+        std::lock_guard lock(t.mutex);
+        if (t.states.size() <= id) {
+            t.states.resize(id + 1, unknown);
         }
+        t.states[id] = s;
     }
-    launch_sm_copy(nullptr, nullptr, 0, dev, s);
-    check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize (loading the small-copy kernel)");
-    std::lock_guard lock(state->mutex);
-    if (state->on.size() <= id) {
-        state->on.resize(id + 1);
+
+private:
+    struct table {
+        std::mutex mutex;
+        std::vector<state> states;
+    };
+    static table& instance() {
+        static table* const t = new table();
+        return *t;
     }
-    state->on[id] = true;
+};
+
+using sm_copy_devices = basic_sm_copy_devices<>;
+
+/// Loads the kernel on `dev` once per process and says whether SM copies can be made there.
+/// cudaFuncGetAttributes with `dev` current makes the driver load it (as a first launch would),
+/// without enqueueing anything. Loading waits for the work the device is running, and meanwhile
+/// blocks every CUDA call of other threads on that device (measured on an H200, driver 580: for a
+/// launch, cudaFuncGetAttributes and cudaKernelSetAttributeForDevice alike; a kernel's loading
+/// cannot be had without that wait). So a first small copy made by the SMs beside a bulk copy
+/// would wait for the bulk copy (1 GiB, in the tests): whatever makes bulk D2H copies that send
+/// small copies to the SMs (a pipeline when it is made, the bulk lane before its first D2H copy)
+/// loads the kernel before that work, and copy.hpp's sm_route loads it where nothing did. Where
+/// the kernel's code cannot run on `dev` (sm_copy_load_failure), that is kept: false from then on,
+/// and copies there take a copy engine.
+/// @throws cuda_error for any other failure (a sticky error, for instance); usage_error in a
+///         child forked after the parent loaded the kernel
+template <class = void>
+bool preload_sm_copy(device_ref dev) {
+    if (const auto known = sm_copy_devices::get(dev); known != sm_copy_devices::unknown) {
+        return known == sm_copy_devices::loaded;
+    }
+    try {
+        device_guard on(dev);
+        cudaFuncAttributes attributes{};
+        check(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(sm_copy_kernel())),
+              "cudaFuncGetAttributes (loading the small-copy kernel)");
+    } catch (const cuda_error& e) {
+        if (!sm_copy_load_failure(e.status())) {
+            throw;
+        }
+        sm_copy_devices::set(dev, sm_copy_devices::unavailable); // check() cleared the error
+        return false;
+    }
+    sm_copy_devices::set(dev, sm_copy_devices::loaded);
+    return true;
 }
 
 } // namespace cudawait::detail
