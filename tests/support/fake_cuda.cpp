@@ -1100,6 +1100,17 @@ cudaError_t cudaLibraryGetKernel(cudaKernel_t* pKernel, cudaLibrary_t library, c
 
 cudaError_t cudaLibraryUnload(cudaLibrary_t) { return run("cudaLibraryUnload"); }
 
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
+    return run("cudaFuncGetAttributes", [&](auto&) {
+        if (attr == nullptr || func == nullptr) {
+            return cudaErrorInvalidValue;
+        }
+        *attr = cudaFuncAttributes{};
+        attr->maxThreadsPerBlock = 1024;
+        return cudaSuccess;
+    });
+}
+
 cudaError_t cudaGetDriverEntryPoint(const char*, void** funcPtr, unsigned long long,
                                     cudaDriverEntryPointQueryResult* driverStatus) {
     return no_entry_point("cudaGetDriverEntryPoint", funcPtr, driverStatus);
