@@ -1,9 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <cudawait/copy_lane.hpp>
 #include <cudawait/device.hpp>
+#include <cudawait/managed_buffer.hpp>
+#include <cudawait/stream.hpp>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -18,6 +23,24 @@ using cudawait::device_count;
 using cudawait::device_guard;
 using cudawait::device_ref;
 using cudawait::try_device_count;
+
+// Whatever takes a device takes a plain id too, as with cuda::device_ref.
+static_assert(std::is_convertible_v<int, device_ref>);
+template <class D>
+concept names_a_device_everywhere = requires(D d, cudawait::managed_buffer<int>& m,
+                                             cudawait::stream_ref s) {
+    cudawait::stream(d);
+    cudawait::stream(d, 0);
+    cudawait::priority_high(d);
+    cudawait::priority_low(d);
+    device_guard(d);
+    cudawait::copy_lanes::for_device(d);
+    cudawait::small_copy_stream(d, cudawait::copy_direction::h2d);
+    cudawait::prefetch_async(m, d, s);
+    cudawait::prefetch(m, d, s);
+};
+static_assert(names_a_device_everywhere<device_ref>);
+static_assert(names_a_device_everywhere<int>);
 
 bool is_no_device_status(cudaError_t st) {
     return st == cudaErrorNoDevice || st == cudaErrorInsufficientDriver;
@@ -116,6 +139,41 @@ TEST_F(device_gpu, priority_range_is_ordered) {
     ASSERT_EQ(cudaDeviceGetStreamPriorityRange(&least, &greatest), cudaSuccess);
     EXPECT_EQ(r.least, least);
     EXPECT_EQ(r.greatest, greatest);
+}
+
+TEST_F(device_gpu, a_plain_id_names_a_device_and_compares_without_validation) {
+    const int n = device_count();
+    device_ref d = 0;
+    EXPECT_TRUE(d == 0);
+    EXPECT_TRUE(0 == d);
+    EXPECT_FALSE(d == n) << "an id that names no device compares unequal, without a throw";
+    EXPECT_FALSE(d == -1);
+    EXPECT_TRUE(d != n + 7);
+    EXPECT_TRUE(d == device_ref(0));
+}
+
+TEST_F(device_gpu, the_lanes_and_prefetch_take_a_plain_id) {
+    cudawait::stream_ref lane = cudawait::small_copy_stream(0, cudawait::copy_direction::h2d);
+    EXPECT_EQ(lane.device(), 0);
+    EXPECT_EQ(&cudawait::copy_lanes::for_device(0),
+              &cudawait::copy_lanes::for_device(device_ref(0)));
+    EXPECT_EQ(lane, cudawait::copy_lanes::for_device(0).get(cudawait::lane::small,
+                                                            cudawait::copy_direction::h2d));
+    int managed = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&managed, cudaDevAttrManagedMemory, 0), cudaSuccess);
+    if (managed == 0) {
+        return;
+    }
+    cudawait::stream s(0);
+    cudawait::managed_buffer<std::uint32_t> m(1024);
+    for (std::size_t i = 0; i < m.size(); ++i) {
+        m[i] = static_cast<std::uint32_t>(i * 2654435761u);
+    }
+    cudawait::prefetch_async(m, 0, s);
+    s.sync();
+    for (std::size_t i = 0; i < m.size(); ++i) {
+        ASSERT_EQ(m[i], static_cast<std::uint32_t>(i * 2654435761u)) << i;
+    }
 }
 
 } // namespace

@@ -22,18 +22,17 @@
 // flags, counters, a result's header) never queues behind bulk data, only behind other small
 // copies. benchmarks/lane_bench.cu measures how long it takes while a pipeline keeps both
 // directions busy, side by side with the alternatives (a plain stream, a high-priority one, the
-// pipeline's copies split into pieces: pipeline_options::copy_piece_bytes). On an H200 a small
-// H2D copy on the lane took 1.6-2.2x its idle latency under 64 MiB chunks; a small D2H copy made
-// by a copy engine, on any stream or priority, could wait for the bulk D2H chunk already queued
-// on the same engine (1.2 ms), with the chunks in pieces or not. So while one of the library's
-// bulk D2H streams is busy, the lane's small D2H copies are made by the SMs (copy.hpp:
-// copy_options::busy_sm_copy_bytes): 18-21 us beside the chunks. Every small copy beside a
-// saturated link still takes 1.4-2.4x its idle time, its bytes queued behind the bulk's (an
-// awaited event with no copy: 1.2-1.7x). The lanes register their bulk D2H stream
-// (detail/bulk_streams.hpp); the SM copy kernel is loaded on the device before the bulk lane's
-// first D2H copy (detail/sm_copy.hpp says why). Making the lanes loads no kernel: loading one
-// waits for the device's running work, and so would never end beside a kernel that waits for a
-// flag the small lane is to copy.
+// pipeline's copies split into pieces: pipeline_options::copy_piece_bytes). On the measured
+// H200 a small D2H copy made by a copy engine, on any stream or priority, could wait for the bulk
+// D2H chunk already queued on the same engine, with the chunks in pieces or not. So while one of
+// the library's bulk D2H streams is busy, the lane's small D2H copies are made by the SMs
+// (copy.hpp: copy_options::busy_sm_copy_bytes). Every small copy beside a saturated link still
+// takes longer than on an idle one, its bytes queued behind the bulk's. The figures are in
+// benchmarks/README.md (lane_bench) and README.md's Measured section. The lanes register their
+// bulk D2H stream (detail/bulk_streams.hpp); the SM copy kernel is loaded on the device before the
+// bulk lane's first D2H copy (detail/sm_copy.hpp says why). Making the lanes loads no kernel:
+// loading one waits for the device's running work, and so would never end beside a kernel that
+// waits for a flag the small lane is to copy.
 //
 // Ordering. A copy on a lane is ordered with the lane's earlier copies only, not with the
 // caller's streams: the data must be ready when the copy is made (await the stream of the

@@ -4,7 +4,7 @@
 // Synopsis
 //   int  device_count();          number of visible devices; throws cuda_error without a driver
 //   int  try_device_count() noexcept;   same, 0 on any error
-//   class device_ref;             a device id, validated on construction
+//   class device_ref;             a device id, validated on construction; converts from an int
 //   device_ref current_device();
 //   class device_guard;           makes a device current for a scope, restores the previous one
 //   bool enable_peer_access(a, b);   lets device a access device b's memory, once per pair
@@ -59,9 +59,11 @@ device_count(std::source_location where = std::source_location::current()) {
 /// A non-owning, validated device id.
 class device_ref {
 public:
+    /// Implicit, as cuda::device_ref's: whatever takes a device takes a plain id too
+    /// (`stream s(1)`, `small_copy_stream(0, dir)`). Views of streams and events still refuse an
+    /// int (is 0 a device or the null handle?).
     /// @throws cuda_error (cudaErrorInvalidDevice) when `id` names no visible device.
-    explicit device_ref(int id, std::source_location where = std::source_location::current())
-        : m_id(id) {
+    device_ref(int id, std::source_location where = std::source_location::current()) : m_id(id) {
         int n = device_count(where);
         if (id < 0 || id >= n) {
             throw cuda_error(cudaErrorInvalidDevice, "device_ref", where);
@@ -80,6 +82,9 @@ public:
     [[nodiscard]] priority_range stream_priorities() const;
 
     friend bool operator==(device_ref, device_ref) = default;
+    /// Compares with a plain id without making a device_ref of it (which would validate it, and
+    /// throw for an id that names no device).
+    friend bool operator==(device_ref d, int id) noexcept { return d.m_id == id; }
 
 private:
     struct unchecked {};

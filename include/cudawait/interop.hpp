@@ -2,12 +2,14 @@
 #pragma once
 
 // Synopsis
-//   wait_for_stream(s, other);       later work on `s` waits for the work enqueued on `other` so
-//   far wait_for_legacy_stream(s);       ... for the work enqueued on the legacy default stream so
-//   far legacy_stream_wait_for(s);       later work on the legacy default stream waits for `s`'s
-//   work co_await after_legacy_stream(s); wait_for_legacy_stream(s), then resumes once `s` (and so
-//   the
-//                                    legacy stream's earlier work) is idle
+//   wait_for_stream(s, other);        later work on `s` waits for the work enqueued on `other`
+//                                     so far (s.wait(other), stream.hpp)
+//   wait_for_legacy_stream(s);        later work on `s` waits for the work enqueued on the
+//                                     legacy default stream so far
+//   legacy_stream_wait_for(s);        later work on the legacy default stream waits for `s`'s
+//                                     work so far
+//   co_await after_legacy_stream(s);  wait_for_legacy_stream(s), then resumes once `s` (and so
+//                                     the legacy stream's earlier work) is idle
 //
 // The rule. cudawait's streams are non-blocking (cudaStreamNonBlocking), so they never
 // synchronise implicitly with the legacy default stream (stream 0, cudaStreamLegacy): a kernel
@@ -19,13 +21,10 @@
 // (cudaStreamWaitEvent). Code built with `--default-stream per-thread` puts "stream 0" work on
 // cudaStreamPerThread instead; order that with wait_for_stream(s, cudaStreamPerThread).
 //
-// Each call records a recycled event of event_pool (event.hpp) on the producing stream's device
-// and hands it back at once: a cudaStreamWaitEvent waits for the record made before it, and a
-// later record of the same event does not change what it waits for.
+// Each call is a stream::wait (stream.hpp): it records a recycled event of event_pool on the
+// producing stream's device and hands it back at once: a cudaStreamWaitEvent waits for the record
+// made before it, and a later record of the same event does not change what it waits for.
 
-#include <cudawait/device.hpp>
-#include <cudawait/error.hpp>
-#include <cudawait/event.hpp>
 #include <cudawait/scheduler.hpp>
 #include <cudawait/stream.hpp>
 #include <cudawait/task.hpp>
@@ -36,20 +35,14 @@
 
 namespace cudawait {
 
-/// Makes later work on `s` wait for all work enqueued on `other` before this call. `other` may
-/// be on another device, or be cudaStreamLegacy or cudaStreamPerThread: those name the current
-/// device's stream, so for them `s`'s device is made current. The host does not wait.
+/// Makes later work on `s` wait for all work enqueued on `other` before this call: the same as
+/// `s.wait(other)` (stream.hpp). `other` may be on another device, or be cudaStreamLegacy or
+/// cudaStreamPerThread: those name the current device's stream, so for them `s`'s device is
+/// made current. The host does not wait.
 /// @throws cuda_error
 inline void wait_for_stream(stream_ref s, stream_ref other,
                             std::source_location where = std::source_location::current()) {
-    // An event must be recorded with its stream's device current; the special handles have no
-    // device of their own.
-    bool special = other.get() == cudaStreamLegacy || other.get() == cudaStreamPerThread;
-    int dev = special ? s.device(where) : other.device(where);
-    device_guard guard(device_ref(dev, where), where);
-    pooled_event ev = event_pool::for_device(dev).acquire();
-    check(cudaEventRecord(ev.get(), other.get()), "cudaEventRecord", where);
-    check(cudaStreamWaitEvent(s.get(), ev.get(), 0), "cudaStreamWaitEvent", where);
+    s.wait(other, where);
 }
 
 /// Makes later work on `s` wait for all work enqueued on the legacy default stream (of `s`'s
@@ -65,11 +58,7 @@ inline void wait_for_legacy_stream(stream_ref s,
 /// @throws cuda_error
 inline void legacy_stream_wait_for(stream_ref s,
                                    std::source_location where = std::source_location::current()) {
-    int dev = s.device(where);
-    device_guard guard(device_ref(dev, where), where);
-    pooled_event ev = event_pool::for_device(dev).acquire();
-    check(cudaEventRecord(ev.get(), s.get()), "cudaEventRecord", where);
-    check(cudaStreamWaitEvent(cudaStreamLegacy, ev.get(), 0), "cudaStreamWaitEvent", where);
+    stream_ref(cudaStreamLegacy).wait(s, where);
 }
 
 /// `co_await after_legacy_stream(s)`: orders `s` after the legacy default stream's work so far

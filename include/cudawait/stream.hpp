@@ -6,7 +6,10 @@
 //                      cudaStream_t and (when libcu++ is on the include path) cuda::stream_ref
 //   class stream;      owning, non-blocking stream with a priority; synchronised before it is
 //                      destroyed; release() / from_native_handle() hand ownership across
-//   s.is_done()  s.sync()  s.wait(event)  s.device()  s.priority()   on both (ready(): is_done)
+//   s.is_done()  s.sync()  s.device()  s.priority()   on both (ready(): the older is_done)
+//   s.wait(ev)     later work on s waits for an event_like ev (event.hpp; cudaStreamWaitEvent)
+//   s.wait(other)  ... for the work enqueued on another stream so far (a pooled event recorded)
+//   stream s(dev, priority)  on a device (an int id or a device_ref), else the current one
 //   concept stream_like<T>;  a stream type of another library (PyTorch's CUDAStream, rmm's
 //                      cuda_stream_view, cuda::stream_ref, ...): a class explicitly convertible
 //                      to cudaStream_t, or one with .stream(), .value() or .get() returning it
@@ -19,7 +22,8 @@
 // for work on the legacy default stream (stream 0, cudaStreamLegacy: kernels launched without
 // a stream, cudaMemcpy, cudaMemset), and it does not wait for them. Work another library or
 // older code put there is ordered with a cudawait stream only through an event:
-// wait_for_legacy_stream(s) / legacy_stream_wait_for(s) (interop.hpp) do that.
+// s.wait(cudaStreamLegacy), or wait_for_legacy_stream(s) / legacy_stream_wait_for(s)
+// (interop.hpp), do that.
 
 #include <cudawait/device.hpp>
 #include <cudawait/error.hpp>
@@ -142,6 +146,29 @@ private:
     cudaStream_t m_handle;
 };
 
+template <class D>
+void detail::stream_ops<D>::wait(stream_ref other, std::source_location where) const {
+    const cudaStream_t self = handle();
+    // The event is recorded with `other`'s device current; the special handles have no device
+    // of their own, so this stream's is used for them.
+    const bool special = other.get() == cudaStreamLegacy || other.get() == cudaStreamPerThread;
+    int dev = 0;
+    check(cudaStreamGetDevice(special ? self : other.get(), &dev), "cudaStreamGetDevice", where);
+    device_guard guard(device_ref(dev, where), where);
+    // Given back at once: cudaStreamWaitEvent waits for the record made before it, and a later
+    // record of the same event does not change what it waits for.
+    event_pool& pool = event_pool::for_device(dev);
+    const cudaEvent_t ev = pool.acquire_raw();
+    const char* api = "cudaEventRecord";
+    cudaError_t st = cudaEventRecord(ev, other.get());
+    if (st == cudaSuccess) {
+        api = "cudaStreamWaitEvent";
+        st = cudaStreamWaitEvent(self, ev, 0);
+    }
+    pool.release_raw(ev);
+    check(st, api, where);
+}
+
 /// The highest stream priority `dev` supports (numerically the lowest value).
 /// @throws cuda_error
 [[nodiscard]] inline int priority_high(device_ref dev) { return dev.stream_priorities().greatest; }
@@ -156,8 +183,9 @@ private:
 /// the handle it runs on. Using a moved-from stream throws `usage_error`.
 class stream : public detail::stream_ops<stream> {
 public:
-    /// Creates a non-blocking stream on `dev` with `priority` (clamped by the driver to the
-    /// device's range; see priority_high / priority_low).
+    /// Creates a non-blocking stream on `dev` (a device_ref or a plain device id: `stream s(1)`)
+    /// with `priority` (clamped by the driver to the device's range; see priority_high /
+    /// priority_low).
     /// @throws cuda_error
     explicit stream(device_ref dev, int priority = 0,
                     std::source_location where = std::source_location::current()) {
@@ -190,7 +218,7 @@ public:
             throw usage_error("stream::from_native_handle: null handle");
         }
         detail::g_live_streams.fetch_add(1, std::memory_order_relaxed);
-        return stream(handle);
+        return stream(adopt, handle);
     }
 
     /// Gives up ownership: the caller destroys the returned handle.
@@ -225,7 +253,11 @@ public:
     }
 
 private:
-    explicit stream(cudaStream_t adopted) noexcept : m_handle(adopted) {}
+    // A tag, not a plain cudaStream_t parameter: `stream s(0)` must pick the device constructor,
+    // and 0 converts to a null handle more readily than to a device_ref.
+    struct adopt_t {};
+    static constexpr adopt_t adopt{};
+    stream(adopt_t, cudaStream_t adopted) noexcept : m_handle(adopted) {}
 
     void destroy() noexcept {
         if (m_handle == nullptr) {

@@ -7,14 +7,39 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <iterator>
 #include <map>
+#include <new>
 #include <random>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+// The global operator new of this program, replaced so that a test can make the n-th allocation
+// from now throw std::bad_alloc (0: none fails). Only the test thread allocates while armed.
+namespace {
+long g_fail_countdown = 0;
+
+void* counted_allocation(std::size_t bytes) {
+    if (g_fail_countdown > 0 && --g_fail_countdown == 0) {
+        throw std::bad_alloc();
+    }
+    if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) {
+        return p;
+    }
+    throw std::bad_alloc();
+}
+} // namespace
+
+void* operator new(std::size_t bytes) { return counted_allocation(bytes); }
+void* operator new[](std::size_t bytes) { return counted_allocation(bytes); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -305,6 +330,78 @@ TEST(block_heap, churn_in_two_arenas_keeps_every_invariant) {
     for (const auto& r : heap.regions()) {
         EXPECT_TRUE(test_heap::region_unused(r.get()));
     }
+}
+
+// Every allocation the heap makes for its descriptors (a chunk of them, the growth of the list
+// that owns the chunks) is made to throw in turn, at each point where the heap grows: the call
+// throws and the heap is left as it was, so that later requests and frees work and every byte
+// is accounted for. (The chunk's descriptors used to be linked into the spare list before the
+// list of chunks took the chunk, so a throwing push_back freed the chunk under the spare list;
+// and a cut that needed a descriptor came after the block had left the free lists.)
+TEST(block_heap, a_growth_that_throws_leaves_the_heap_as_it_was) {
+    test_heap heap;
+    auto* base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+    const std::size_t total = 1_GiB;
+    heap.add_region(base, total);
+    std::mt19937_64 rng(23);
+    std::vector<test_heap::block*> live;
+    std::size_t live_bytes = 0;
+    std::vector<std::vector<std::byte>> scribbles; // reuse freed memory, overwriting it
+    int failures_by_point[3] = {};
+    for (int step = 0; step < 3000; ++step) {
+        // Forty in a row (enough to use up a chunk of descriptors) then a random free or two,
+        // with the allocations failing, in turn, at the first and second allocation made.
+        if (step % 48 < 40 || live.empty()) {
+            const std::size_t size = 1 + rng() % 64_KiB;
+            const std::size_t align = std::size_t{256} << (rng() % 3);
+            for (long point = 1; point <= 3; ++point) {
+                test_heap::block* b = nullptr;
+                const bool last = point == 3; // not armed: this one must succeed
+                g_fail_countdown = last ? 0 : point;
+                try {
+                    b = heap.allocate(size, align);
+                } catch (const std::bad_alloc&) {
+                    g_fail_countdown = 0;
+                    ++failures_by_point[point - 1];
+                    scribbles.emplace_back(16_KiB, std::byte{0xFF});
+                    ASSERT_EQ(heap.free_bytes() + live_bytes, total)
+                        << "bytes lost at step " << step;
+                    continue;
+                }
+                g_fail_countdown = 0;
+                ASSERT_NE(b, nullptr);
+                ASSERT_GE(b->size, size);
+                ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b->ptr) % align, 0u);
+                live.push_back(b);
+                live_bytes += b->size;
+                break;
+            }
+        } else {
+            const std::size_t i = rng() % live.size();
+            live_bytes -= live[i]->size;
+            heap.free(live[i]);
+            live[i] = live.back();
+            live.pop_back();
+        }
+        ASSERT_EQ(heap.free_bytes() + live_bytes, total) << "at step " << step;
+        if (step % 64 == 0) {
+            expect_heap_consistent(heap);
+            if (::testing::Test::HasFatalFailure()) {
+                return;
+            }
+        }
+    }
+    EXPECT_GT(failures_by_point[0], 0) << "no chunk of descriptors was made while armed";
+    EXPECT_GT(failures_by_point[1], 0) << "the list of chunks never grew while armed";
+    for (test_heap::block* b : live) {
+        heap.free(b);
+    }
+    expect_heap_consistent(heap);
+    EXPECT_TRUE(test_heap::region_unused(heap.regions().front().get()));
+    test_heap::block* whole = heap.allocate(total, 256);
+    ASSERT_NE(whole, nullptr);
+    EXPECT_EQ(whole->size, total);
+    heap.free(whole);
 }
 
 // ---- ptr_map ----------------------------------------------------------------------------------

@@ -186,7 +186,12 @@ public:
         while (pos != m_regions.end() && (*pos)->base < base) {
             ++pos;
         }
-        m_regions.insert(pos, std::move(r));
+        try {
+            m_regions.insert(pos, std::move(r));
+        } catch (...) {
+            recycle(b);
+            throw;
+        }
         insert_free(b);
         return raw;
     }
@@ -241,6 +246,11 @@ public:
         }
         if (b == nullptr || b->size > max_block) {
             return nullptr;
+        }
+        // The cuts below take up to two descriptors: made sure of before any list changes, so
+        // that a growth that throws (bad_alloc) leaves the heap as it was.
+        if (m_spare == nullptr || m_spare->next_free == nullptr) {
+            grow_spare();
         }
         remove_free(b);
         if (std::size_t gap = padding(b, align); gap != 0) {
@@ -480,17 +490,22 @@ private:
     // path allocates nothing once the heap has warmed up.
     block* new_block() {
         if (m_spare == nullptr) {
-            auto chunk = std::make_unique<block[]>(chunk_blocks);
-            for (std::size_t i = 0; i < chunk_blocks; ++i) {
-                chunk[i].next_free = m_spare;
-                m_spare = &chunk[i];
-            }
-            m_chunks.push_back(std::move(chunk));
+            grow_spare();
         }
         block* b = m_spare;
         m_spare = b->next_free;
         *b = block{};
         return b;
+    }
+    // The chunk is in m_chunks before any of its descriptors is linked into m_spare: when the
+    // push_back throws, the chunk is freed with nothing pointing into it.
+    void grow_spare() {
+        m_chunks.push_back(std::make_unique<block[]>(chunk_blocks));
+        block* chunk = m_chunks.back().get();
+        for (std::size_t i = 0; i < chunk_blocks; ++i) {
+            chunk[i].next_free = m_spare;
+            m_spare = &chunk[i];
+        }
     }
     void recycle(block* b) noexcept {
         b->next_free = m_spare;

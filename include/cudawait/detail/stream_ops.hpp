@@ -9,9 +9,15 @@
 
 #include <cudawait/error.hpp>
 
+#include <cudawait/detail/event_pool.hpp>
+
 #include <source_location>
 
 #include <cuda_runtime_api.h>
+
+namespace cudawait {
+class stream_ref;
+} // namespace cudawait
 
 namespace cudawait::detail {
 
@@ -43,13 +49,22 @@ public:
         check(cudaStreamSynchronize(handle()), "cudaStreamSynchronize", where);
     }
 
-    /// Makes later work on this stream wait for `event` (`cudaStreamWaitEvent`); the host does
-    /// not block.
-    /// @throws cuda_error; usage_error on a moved-from stream
-    void wait(cudaEvent_t event,
-              std::source_location where = std::source_location::current()) const {
-        check(cudaStreamWaitEvent(handle(), event, 0), "cudaStreamWaitEvent", where);
+    /// Makes later work on this stream wait for the work `event` captured (`cudaStreamWaitEvent`);
+    /// the host does not block. `event` is any event_like: a cudawait event, pooled_event or
+    /// event_ref, a raw cudaEvent_t, cuda::event_ref.
+    /// @throws cuda_error; usage_error on a moved-from stream or an empty event
+    template <event_like E>
+    void wait(const E& event, std::source_location where = std::source_location::current()) const {
+        check(cudaStreamWaitEvent(handle(), native_event(event), 0), "cudaStreamWaitEvent", where);
     }
+
+    /// Makes later work on this stream wait for all work enqueued on `other` before the call
+    /// (PyTorch's wait_stream): records a pooled event on `other` and waits for it. `other` may
+    /// be on another device, or be cudaStreamLegacy or cudaStreamPerThread, which name the
+    /// current device's stream: for them this stream's device is made current. The host does not
+    /// block. (Defined in stream.hpp, once stream_ref is complete.)
+    /// @throws cuda_error; usage_error on a moved-from stream
+    void wait(stream_ref other, std::source_location where = std::source_location::current()) const;
 
     /// The device the stream belongs to.
     /// @throws cuda_error; usage_error on a moved-from stream
