@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include "fake_cuda.hpp"
@@ -324,6 +325,107 @@ TEST_F(fake_cuda, memory_is_host_memory_the_runtime_classifies) {
     EXPECT_EQ(cudaFree(dev), cudaSuccess);
     EXPECT_EQ(cudaFree(dev), cudaErrorInvalidValue);
     EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+}
+
+/// A host function whose address stands for a __global__ function's.
+void some_kernel() {}
+
+TEST_F(fake_cuda, a_kernel_launches_only_on_a_stream_of_the_current_device) {
+    fake::set_device_count(2);
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    cudaStream_t s1 = make_stream();
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    const void* k = reinterpret_cast<const void*>(&some_kernel);
+    EXPECT_EQ(cudaLaunchKernel(k, dim3(1), dim3(1), nullptr, 0, s1),
+              cudaErrorInvalidResourceHandle);
+    EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+    EXPECT_EQ(cudaMemsetAsync(nullptr, 0, 0, s1), cudaSuccess) << "other work is not refused";
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    EXPECT_EQ(cudaLaunchKernel(k, dim3(1), dim3(1), nullptr, 0, s1), cudaSuccess);
+    EXPECT_EQ(cudaLaunchKernel(k, dim3(1), dim3(1), nullptr, 0, cudaStreamPerThread), cudaSuccess);
+    // A library kernel takes its stream's context, whichever device is current.
+    cudaLibrary_t lib = nullptr;
+    cudaKernel_t lk = nullptr;
+    ASSERT_EQ(cudaLibraryLoadData(&lib, "ptx", nullptr, nullptr, 0, nullptr, nullptr, 0),
+              cudaSuccess);
+    ASSERT_EQ(cudaLibraryGetKernel(&lk, lib, "k"), cudaSuccess);
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    EXPECT_EQ(cudaLaunchKernel(reinterpret_cast<const void*>(lk), dim3(1), dim3(1), nullptr, 0, s1),
+              cudaSuccess);
+    const auto l = fake::launches();
+    ASSERT_EQ(l.size(), 4u);
+    const int want[4][3] = {{0, 1, cudaErrorInvalidResourceHandle},
+                            {1, 1, cudaSuccess},
+                            {1, 1, cudaSuccess},
+                            {0, 1, cudaSuccess}};
+    for (std::size_t i = 0; i < l.size(); ++i) {
+        EXPECT_EQ(l[i].api, "cudaLaunchKernel") << i;
+        EXPECT_EQ(l[i].function, i < 3 ? k : reinterpret_cast<const void*>(lk)) << i;
+        EXPECT_EQ(l[i].current_device, want[i][0]) << i;
+        EXPECT_EQ(l[i].stream_device, want[i][1]) << i;
+        EXPECT_EQ(l[i].result, want[i][2]) << i;
+    }
+    fake::reset();
+    EXPECT_TRUE(fake::launches().empty());
+    EXPECT_EQ(cudaStreamDestroy(s1), cudaSuccess);
+}
+
+TEST_F(fake_cuda, the_driver_loads_and_launches_module_functions_that_a_test_defines) {
+    fake::set_device_count(2);
+    using load_fn = CUresult (*)(CUmodule*, const void*);
+    using get_fn = CUresult (*)(CUfunction*, CUmodule, const char*);
+    using launch_fn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   unsigned, unsigned, CUstream, void**, void**);
+    auto entry = [](const char* name) {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        EXPECT_EQ(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found),
+                  cudaSuccess);
+        EXPECT_EQ(found == cudaDriverEntryPointSuccess, fn != nullptr) << name;
+        return fn;
+    };
+    EXPECT_EQ(entry("cuStreamWaitValue32"), nullptr) << "no stream memory operations";
+    const auto load = reinterpret_cast<load_fn>(entry("cuModuleLoadData"));
+    const auto get = reinterpret_cast<get_fn>(entry("cuModuleGetFunction"));
+    const auto launch = reinterpret_cast<launch_fn>(entry("cuLaunchKernel"));
+    ASSERT_NE(load, nullptr);
+    ASSERT_NE(get, nullptr);
+    ASSERT_NE(launch, nullptr);
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    cudaStream_t s1 = make_stream();
+    CUmodule m = nullptr;
+    CUfunction f = nullptr;
+    ASSERT_EQ(load(&m, "ptx"), CUDA_SUCCESS);
+    ASSERT_EQ(get(&f, m, "add_one"), CUDA_SUCCESS);
+    fake::define_kernel("add_one", [](void** params) { ++**static_cast<int**>(params[0]); });
+    int value = 41;
+    int* arg = &value;
+    void* params[] = {&arg};
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    EXPECT_EQ(launch(f, 1, 1, 1, 1, 1, 1, 0, reinterpret_cast<CUstream>(s1), params, nullptr),
+              CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(value, 41) << "a refused launch runs nothing";
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the driver's errors are not the runtime's";
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    EXPECT_EQ(launch(f, 1, 1, 1, 1, 1, 1, 0, reinterpret_cast<CUstream>(s1), params, nullptr),
+              CUDA_SUCCESS);
+    EXPECT_EQ(value, 42);
+    fake::define_kernel("add_one", nullptr);
+    EXPECT_EQ(launch(f, 1, 1, 1, 1, 1, 1, 0, reinterpret_cast<CUstream>(s1), params, nullptr),
+              CUDA_SUCCESS);
+    EXPECT_EQ(value, 42) << "undefined again: it does nothing";
+    const auto l = fake::launches();
+    ASSERT_EQ(l.size(), 3u);
+    EXPECT_EQ(l[0].api, "cuLaunchKernel");
+    EXPECT_EQ(l[0].name, "add_one");
+    EXPECT_EQ(l[0].function, static_cast<const void*>(f));
+    EXPECT_EQ(l[0].current_device, 0);
+    EXPECT_EQ(l[0].stream_device, 1);
+    EXPECT_EQ(l[0].result, cudaErrorInvalidResourceHandle);
+    EXPECT_EQ(l[1].current_device, 1);
+    EXPECT_EQ(l[1].result, cudaSuccess);
+    EXPECT_EQ(fake::calls("cuLaunchKernel"), 3u);
+    EXPECT_EQ(cudaStreamDestroy(s1), cudaSuccess);
 }
 
 // ---- the library on top of it ---------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 namespace cudawait::fake_cuda {
@@ -67,6 +68,14 @@ struct event_obj {
     std::optional<record_info> where;
 };
 
+/// A module (cuModuleLoadData) or one of its functions (cuModuleGetFunction): bound to the
+/// device current where the module was loaded, as a driver context's are.
+struct module_obj {
+    int device = 0;
+    std::string name; ///< a function's name
+    const module_obj* module = nullptr;
+};
+
 enum class memory { device, host, managed, registered };
 struct allocation {
     std::size_t bytes;
@@ -99,6 +108,10 @@ struct state {
     std::set<std::pair<int, int>> peers;
     std::map<std::uintptr_t, allocation> allocations; ///< by start address
     std::vector<std::unique_ptr<char>> tokens;        ///< libraries and kernels
+    std::set<const void*> library_kernels;            ///< cudaLibraryGetKernel's handles
+    std::vector<std::unique_ptr<module_obj>> modules; ///< modules and their functions
+    std::vector<launch_info> launches;
+    std::map<std::string, std::function<void(void**)>, std::less<>> kernel_bodies;
 };
 
 state& g() {
@@ -355,18 +368,132 @@ cudaError_t record(const char* api, cudaEvent_t e, cudaStream_t s) {
     });
 }
 
-/// The driver's entry points are never found: no stream memory operations, so no doorbell.
-cudaError_t no_entry_point(const char* api, void** funcPtr,
-                           cudaDriverEntryPointQueryResult* driverStatus) {
-    return run(api, [&](auto&) {
-        if (funcPtr == nullptr) {
+/// Checks and records a kernel launch of `function` on `s`. A function bound to a device
+/// (`bound` >= 0: a __global__ function, loaded in the current context, or a CUfunction) launches
+/// only with that device current and on one of its streams; a library kernel (`bound` -1) runs in
+/// its stream's context, whichever device is current.
+cudaError_t launch(const char* api, const void* function, const std::string& name, cudaStream_t s,
+                   int bound) {
+    const stream_obj* so = live_stream(s);
+    cudaError_t st = cudaSuccess;
+    if (so == nullptr) {
+        st = cudaErrorInvalidResourceHandle;
+    } else if (bound >= 0 && (so->device != t_device || bound != t_device)) {
+        st = cudaErrorInvalidResourceHandle; // a stream (or function) of another device
+    }
+    g().launches.push_back(
+        launch_info{api, function, name, t_device, so != nullptr ? so->device : -1, st});
+    return st;
+}
+
+/// The module or function handle `h`, or nullptr.
+const module_obj* find_module(const void* h) {
+    for (const auto& m : g().modules) {
+        if (m.get() == h) {
+            return m.get();
+        }
+    }
+    return nullptr;
+}
+
+/// Runs driver entry point `api` as run() does, but leaves the runtime's last error alone.
+CUresult driver_run(const char* api,
+                    const std::function<cudaError_t(std::unique_lock<std::mutex>&)>& body) {
+    const cudaError_t last = t_last;
+    const cudaError_t st = run(api, body);
+    t_last = last;
+    return static_cast<CUresult>(st); // the codes the fake returns agree (1, 400)
+}
+
+// The driver's entry points the fake provides (driver_function): the watchdog's heartbeat
+// loads and launches its kernel through them.
+
+CUresult CUDAAPI fake_module_load_data(CUmodule* module, const void* image) {
+    return driver_run("cuModuleLoadData", [&](auto&) {
+        if (module == nullptr || image == nullptr) {
             return cudaErrorInvalidValue;
         }
-        *funcPtr = nullptr;
-        if (driverStatus == nullptr) {
-            return cudaErrorSymbolNotFound;
+        auto m = std::make_unique<module_obj>();
+        m->device = t_device;
+        *module = reinterpret_cast<CUmodule>(m.get());
+        g().modules.push_back(std::move(m));
+        return cudaSuccess;
+    });
+}
+
+CUresult CUDAAPI fake_module_get_function(CUfunction* function, CUmodule module, const char* name) {
+    return driver_run("cuModuleGetFunction", [&](auto&) {
+        const module_obj* m = find_module(module);
+        if (function == nullptr || name == nullptr) {
+            return cudaErrorInvalidValue;
         }
-        *driverStatus = cudaDriverEntryPointSymbolNotFound;
+        if (m == nullptr || m->module != nullptr) {
+            return cudaErrorInvalidResourceHandle;
+        }
+        auto f = std::make_unique<module_obj>();
+        f->device = m->device;
+        f->name = name;
+        f->module = m;
+        *function = reinterpret_cast<CUfunction>(f.get());
+        g().modules.push_back(std::move(f));
+        return cudaSuccess;
+    });
+}
+
+CUresult CUDAAPI fake_launch_kernel(CUfunction f, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    unsigned, unsigned, CUstream hStream, void** kernelParams,
+                                    void** extra) {
+    std::function<void(void**)> body;
+    const CUresult r = driver_run("cuLaunchKernel", [&](auto&) {
+        const module_obj* fn = find_module(f);
+        if (fn == nullptr || fn->module == nullptr) {
+            return cudaErrorInvalidResourceHandle;
+        }
+        if (kernelParams != nullptr && extra != nullptr) {
+            return cudaErrorInvalidValue;
+        }
+        const cudaError_t st = launch("cuLaunchKernel", f, fn->name,
+                                      reinterpret_cast<cudaStream_t>(hStream), fn->device);
+        if (auto it = g().kernel_bodies.find(fn->name);
+            st == cudaSuccess && it != g().kernel_bodies.end()) {
+            body = it->second;
+        }
+        return st;
+    });
+    if (body) {
+        body(kernelParams); // outside the mutex: it may call the fake
+    }
+    return r;
+}
+
+/// The fake's driver entry point `symbol`, or nullptr: no other is found (no stream memory
+/// operations, so no doorbell).
+void* driver_function(const char* symbol) {
+    const std::string_view name(symbol);
+    if (name == "cuModuleLoadData") {
+        return reinterpret_cast<void*>(&fake_module_load_data);
+    }
+    if (name == "cuModuleGetFunction") {
+        return reinterpret_cast<void*>(&fake_module_get_function);
+    }
+    if (name == "cuLaunchKernel") {
+        return reinterpret_cast<void*>(&fake_launch_kernel);
+    }
+    return nullptr;
+}
+
+cudaError_t entry_point(const char* api, const char* symbol, void** funcPtr,
+                        cudaDriverEntryPointQueryResult* driverStatus) {
+    return run(api, [&](auto&) {
+        if (funcPtr == nullptr || symbol == nullptr) {
+            return cudaErrorInvalidValue;
+        }
+        *funcPtr = driver_function(symbol);
+        if (driverStatus == nullptr) {
+            return *funcPtr != nullptr ? cudaSuccess : cudaErrorSymbolNotFound;
+        }
+        *driverStatus =
+            *funcPtr != nullptr ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
         return cudaSuccess;
     });
 }
@@ -439,6 +566,8 @@ void reset() {
     st.failures.clear();
     st.dead_calls = 0;
     st.peers.clear();
+    st.launches.clear();
+    st.kernel_bodies.clear();
     t_device = 0;
     t_last = cudaSuccess;
 }
@@ -522,6 +651,20 @@ int stream_device(cudaStream_t s) {
     std::lock_guard lock(g().mutex);
     const stream_obj* o = any_stream(s);
     return o != nullptr ? o->device : -1;
+}
+
+std::vector<launch_info> launches() {
+    std::lock_guard lock(g().mutex);
+    return g().launches;
+}
+
+void define_kernel(std::string_view name, std::function<void(void** params)> body) {
+    std::lock_guard lock(g().mutex);
+    if (body) {
+        g().kernel_bodies[std::string(name)] = std::move(body);
+    } else if (auto it = g().kernel_bodies.find(name); it != g().kernel_bodies.end()) {
+        g().kernel_bodies.erase(it);
+    }
 }
 
 std::optional<record_info> last_record(cudaEvent_t e) {
@@ -903,8 +1046,11 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
 
 // Work on streams
 
-cudaError_t cudaLaunchKernel(const void*, dim3, dim3, void**, size_t, cudaStream_t stream) {
-    return on_stream("cudaLaunchKernel", stream);
+cudaError_t cudaLaunchKernel(const void* func, dim3, dim3, void**, size_t, cudaStream_t stream) {
+    return run("cudaLaunchKernel", [&](auto&) {
+        const bool library_kernel = g().library_kernels.count(func) != 0;
+        return launch("cudaLaunchKernel", func, {}, stream, library_kernel ? -1 : t_device);
+    });
 }
 
 cudaError_t cudaLaunchHostFunc(cudaStream_t, cudaHostFn_t, void*) {
@@ -1094,6 +1240,7 @@ cudaError_t cudaLibraryGetKernel(cudaKernel_t* pKernel, cudaLibrary_t library, c
         }
         g().tokens.push_back(std::make_unique<char>());
         *pKernel = reinterpret_cast<cudaKernel_t>(g().tokens.back().get());
+        g().library_kernels.insert(g().tokens.back().get());
         return cudaSuccess;
     });
 }
@@ -1111,15 +1258,15 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
     });
 }
 
-cudaError_t cudaGetDriverEntryPoint(const char*, void** funcPtr, unsigned long long,
+cudaError_t cudaGetDriverEntryPoint(const char* symbol, void** funcPtr, unsigned long long,
                                     cudaDriverEntryPointQueryResult* driverStatus) {
-    return no_entry_point("cudaGetDriverEntryPoint", funcPtr, driverStatus);
+    return entry_point("cudaGetDriverEntryPoint", symbol, funcPtr, driverStatus);
 }
 
-cudaError_t cudaGetDriverEntryPointByVersion(const char*, void** funcPtr, unsigned int,
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** funcPtr, unsigned int,
                                              unsigned long long,
                                              cudaDriverEntryPointQueryResult* driverStatus) {
-    return no_entry_point("cudaGetDriverEntryPointByVersion", funcPtr, driverStatus);
+    return entry_point("cudaGetDriverEntryPointByVersion", symbol, funcPtr, driverStatus);
 }
 
 // Graphs: not supported

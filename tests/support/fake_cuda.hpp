@@ -19,30 +19,48 @@
 // a stream of another device than the event's. cudaEventSynchronize, cudaStreamSynchronize and
 // cudaDeviceSynchronize block until a release completes what they wait for. A call that passes
 // a destroyed or never-made stream or event returns cudaErrorInvalidResourceHandle and is
-// counted (dead_handle_calls). Kernel launches, copies and memsets succeed. A kernel does
-// nothing (an SM copy moves no bytes); copies and memsets between host addresses are made at
-// once, even on a hung stream (every allocation of the fake, device memory included, is host
-// memory). cudaLaunchHostFunc, graphs, stream capture and the driver's entry points are not
-// supported (cudaErrorNotSupported, or "not found"). Failures set the thread's last error
-// (cudaGetLastError), except cudaErrorNotReady.
+// counted (dead_handle_calls). Copies and memsets succeed on a stream of any device.
+//
+// Kernel launches. A kernel runs in a device's context: a __global__ function's address given to
+// cudaLaunchKernel is bound to the calling thread's current device, a CUfunction to the device
+// its module was loaded on (cuModuleLoadData). Such a launch on a stream of another device than
+// the current one is refused with cudaErrorInvalidResourceHandle, as CUDA refuses it ("a kernel
+// launch will fail if it is issued to a stream that is not associated to the current device",
+// the programming guide's stream and event behaviour; the runtime reports "invalid resource
+// handle", the driver's cuLaunchKernel CUDA_ERROR_INVALID_HANDLE, both 400). A library kernel
+// (cudaKernel_t, cudaLibraryGetKernel) takes its context from its stream, as cuLaunchKernel
+// documents for a CUkernel: it launches on a stream of any device. Every launch that gets as far
+// as these checks is recorded (launches()). A kernel does nothing (an SM copy moves no bytes)
+// unless the test defines what a module function does (define_kernel); copies and memsets
+// between host addresses are made at once, even on a hung stream (every allocation of the fake,
+// device memory included, is host memory).
+//
+// The driver's entry points (cudaGetDriverEntryPoint*) are found only for cuModuleLoadData,
+// cuModuleGetFunction and cuLaunchKernel (what the watchdog's heartbeat uses): no stream memory
+// operations, so no doorbell. cudaLaunchHostFunc, graphs and stream capture are not supported
+// (cudaErrorNotSupported). Failures set the thread's last error (cudaGetLastError), except
+// cudaErrorNotReady and the driver functions' failures.
 
 #include <cstddef>
+#include <functional>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
 namespace cudawait::fake_cuda {
 
 /// Starts a test afresh: completes everything held (release_all), forgets every stream's
-/// waits, the fail_next hooks, the call counts and dead_handle_calls; handle reuse off; one
-/// device; the calling thread's current device 0 (other threads keep theirs). Streams, events
-/// and allocations made before stay valid (destroyed ones stay destroyed): the library keeps
-/// some for the process (the copy lanes' streams, the event pools' events), so live_streams()
-/// and live_events() count what earlier tests of the process left, and the library sizes its
-/// per-device pools at their first use (set_device_count before that, in a test of its own
-/// process, as ctest runs them).
+/// waits, the fail_next hooks, the call counts, dead_handle_calls, the recorded launches and
+/// the kernels defined (define_kernel); handle reuse off; one device; the calling thread's
+/// current device 0 (other threads keep theirs). Streams, events and allocations made before
+/// stay valid (destroyed ones stay destroyed): the library keeps some for the process (the copy
+/// lanes' streams, the event pools' events), so live_streams() and live_events() count what
+/// earlier tests of the process left, and the library sizes its per-device pools at their first
+/// use (set_device_count before that, in a test of its own process, as ctest runs them).
 void reset();
 
 /// How many devices cudaGetDeviceCount reports (1 until set).
@@ -96,5 +114,24 @@ struct record_info {
 
 /// Where `e` was last recorded; std::nullopt if it never was (or was never made).
 std::optional<record_info> last_record(cudaEvent_t e);
+
+/// A kernel launch, as launches() lists it.
+struct launch_info {
+    std::string api;      ///< "cudaLaunchKernel" or "cuLaunchKernel"
+    const void* function; ///< what was launched: the function's address, cudaKernel_t or CUfunction
+    std::string name;     ///< a CUfunction's name (cuModuleGetFunction); empty for the others
+    int current_device;   ///< the launching thread's current device
+    int stream_device;    ///< the device of the stream it was launched on; -1: a dead handle
+    cudaError_t result;   ///< what the launch returned (the driver's code as the runtime's)
+};
+
+/// The kernel launches since the last reset(), accepted and refused, in order (a failure made by
+/// fail_next is not one).
+std::vector<launch_info> launches();
+
+/// What a module function named `name` does: from now on, each accepted cuLaunchKernel of it
+/// calls `body(kernelParams)` on the launching thread before the launch returns, even on a hung
+/// stream (as copies are made at once). An empty `body` makes the function do nothing again.
+void define_kernel(std::string_view name, std::function<void(void** params)> body);
 
 } // namespace cudawait::fake_cuda
