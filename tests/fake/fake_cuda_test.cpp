@@ -290,6 +290,34 @@ TEST_F(fake_cuda, fail_next_fails_the_named_entry_point_so_many_times) {
     EXPECT_EQ(fake::calls("cudaLaunchKernel"), 0u);
 }
 
+TEST_F(fake_cuda, block_next_blocks_one_call_of_the_entry_point_on_the_device_until_unblock) {
+    fake::set_device_count(2);
+    fake::block_next("cudaStreamCreateWithFlags", 1);
+    cudaStream_t on0 = make_stream(); // device 0 is current: not blocked
+    EXPECT_FALSE(fake::wait_blocked(0ms));
+    cudaStream_t on1 = nullptr;
+    auto blocked = std::async(std::launch::async, [&on1] {
+        const cudaError_t st = cudaSetDevice(1);
+        return st != cudaSuccess ? st : cudaStreamCreateWithFlags(&on1, cudaStreamNonBlocking);
+    });
+    EXPECT_TRUE(fake::wait_blocked(10s));
+    EXPECT_TRUE(still_blocked(blocked));
+    // Other calls go on meanwhile, on either device and from any thread, that entry point's too.
+    cudaStream_t other = nullptr;
+    EXPECT_EQ(cudaSetDevice(1), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamQuery(on0), cudaSuccess);
+    fake::unblock();
+    ASSERT_EQ(blocked.wait_for(10s), std::future_status::ready);
+    EXPECT_EQ(blocked.get(), cudaSuccess);
+    EXPECT_EQ(fake::stream_device(on1), 1);
+    EXPECT_FALSE(fake::wait_blocked(0ms));
+    EXPECT_EQ(fake::calls("cudaStreamCreateWithFlags"), 3u);
+    for (cudaStream_t s : {on0, on1, other}) {
+        EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+    }
+}
+
 TEST_F(fake_cuda, memory_is_host_memory_the_runtime_classifies) {
     void* dev = nullptr;
     void* pinned = nullptr;

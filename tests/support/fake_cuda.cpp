@@ -4,6 +4,7 @@
 #include "fake_cuda.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -112,6 +114,9 @@ struct state {
     std::vector<std::unique_ptr<module_obj>> modules; ///< modules and their functions
     std::vector<launch_info> launches;
     std::map<std::string, std::function<void(void**)>, std::less<>> kernel_bodies;
+    std::optional<std::pair<std::string, int>> block; ///< block_next's entry point and device
+    bool blocked = false;                             ///< a call waits in block_next's hook
+    std::uint64_t unblocks = 0;                       ///< unblock() calls, so far
 };
 
 state& g() {
@@ -270,6 +275,14 @@ cudaError_t run(
                          [](std::unique_lock<std::mutex>&) { return cudaSuccess; }) {
     std::unique_lock lock(g().mutex);
     ++g().calls[api];
+    if (g().block && g().block->first == api && g().block->second == t_device) {
+        // block_next: waits, the mutex free, until unblock().
+        g().block.reset();
+        g().blocked = true;
+        g().changed.notify_all();
+        const std::uint64_t gen = g().unblocks;
+        g().changed.wait(lock, [gen] { return g().unblocks != gen; });
+    }
     cudaError_t st = cudaSuccess;
     if (auto it = g().failures.find(std::string_view(api)); it != g().failures.end()) {
         st = it->second.first;
@@ -553,6 +566,7 @@ int attribute(cudaDeviceAttr a, int device) {
 
 void reset() {
     release_all();
+    unblock();
     state& st = g();
     std::lock_guard lock(st.mutex);
     for (auto& [handle, s] : st.streams) {
@@ -615,6 +629,24 @@ void fail_next(std::string_view api, cudaError_t err, int times) {
     } else if (auto it = g().failures.find(api); it != g().failures.end()) {
         g().failures.erase(it);
     }
+}
+
+void block_next(std::string_view api, int device) {
+    std::lock_guard lock(g().mutex);
+    g().block.emplace(std::string(api), device);
+}
+
+bool wait_blocked(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(g().mutex);
+    return g().changed.wait_for(lock, timeout, [] { return g().blocked; });
+}
+
+void unblock() {
+    std::lock_guard lock(g().mutex);
+    g().block.reset();
+    g().blocked = false;
+    ++g().unblocks;
+    g().changed.notify_all();
 }
 
 void reuse_handles(bool on) {

@@ -37,10 +37,12 @@
 //
 // The driver's entry points (cudaGetDriverEntryPoint*) are found only for cuModuleLoadData,
 // cuModuleGetFunction and cuLaunchKernel (what the watchdog's heartbeat uses): no stream memory
-// operations, so no doorbell. cudaLaunchHostFunc, graphs and stream capture are not supported
-// (cudaErrorNotSupported). Failures set the thread's last error (cudaGetLastError), except
-// cudaErrorNotReady and the driver functions' failures.
+// operations, so no doorbell. A call of a chosen entry point can be made to block until the test
+// lets it go (block_next), as a slow driver call would. cudaLaunchHostFunc, graphs and stream
+// capture are not supported (cudaErrorNotSupported). Failures set the thread's last error
+// (cudaGetLastError), except cudaErrorNotReady and the driver functions' failures.
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <optional>
@@ -53,9 +55,9 @@
 
 namespace cudawait::fake_cuda {
 
-/// Starts a test afresh: completes everything held (release_all), forgets every stream's
-/// waits, the fail_next hooks, the call counts, dead_handle_calls, the recorded launches and
-/// the kernels defined (define_kernel); handle reuse off; one device; the calling thread's
+/// Starts a test afresh: completes everything held (release_all), unblock(), forgets every
+/// stream's waits, the fail_next hooks, the call counts, dead_handle_calls, the recorded launches
+/// and the kernels defined (define_kernel); handle reuse off; one device; the calling thread's
 /// current device 0 (other threads keep theirs). Streams, events and allocations made before
 /// stay valid (destroyed ones stay destroyed): the library keeps some for the process (the copy
 /// lanes' streams, the event pools' events), so live_streams() and live_events() count what
@@ -82,6 +84,17 @@ void release_all();
 /// Makes the next `times` calls of entry point `api` (e.g. "cudaLaunchKernel",
 /// "cudaEventCreateWithFlags") fail with `err`, before they do anything.
 void fail_next(std::string_view api, cudaError_t err, int times = 1);
+
+/// Makes the next call of entry point `api` made with `device` current block, before it does
+/// anything, until unblock(): a driver call that takes long (a module's loading, say). The fake
+/// stays usable meanwhile: every other call goes on, from any thread.
+void block_next(std::string_view api, int device);
+
+/// Waits until a call blocks in block_next's hook, at most `timeout`; true if one does.
+bool wait_blocked(std::chrono::milliseconds timeout);
+
+/// Lets every call block_next blocked go on, and cancels a block_next no call has met yet.
+void unblock();
 
 /// While on, creating a stream (an event) hands out the stream (event) handle destroyed last,
 /// if there is one: what a driver may do.
