@@ -69,9 +69,11 @@ if has memcheck; then
   run_memcheck host_registration_test '-*without_a_device*:*no_device*:*registering_twice*' 180
   run_memcheck host_registration_test '*registering_twice*' 120 --report-api-errors no
   failing_launches='*launch_error*:*failed_chunk*:*keeps_failing*:*without_a_fallback*:*throwing_fallback*:*writes_the_report*:*depth_recovers*:*failing_group*:*fails_single_chunks*:*defers_what_on_degrade*:*failed_run*:*failed_view_chunk*'
-  # The chunk-size, stage-overlap and slow-chunk tests compare times, which the sanitizer skews.
+  # The chunk-size, stage-overlap and slow-chunk tests compare times, which the sanitizer skews;
+  # so do the tests of waits that cannot be set up and of chunks waited for again (chunk_timeout
+  # against a kernel's length).
   run_memcheck pipeline_test \
-    "-*no_device*:*without_a_device*:*sticky_fault*:*timeout*:*hung*:*slow_chunk*:*suggested_chunk_size*:*overlap*:$failing_launches" 300
+    "-*no_device*:*without_a_device*:*sticky_fault*:*timeout*:*hung*:*slow_chunk*:*suggested_chunk_size*:*overlap*:*cannot_be_set_up*:*waited_for_again*:$failing_launches" 300
   run_memcheck pipeline_test "$failing_launches" 300 --report-api-errors no
   # The doorbell tests time the loop blocking while a kernel runs; the sanitizer returns from a
   # launch only once the kernel finished, so the loop never blocks there.
