@@ -32,7 +32,7 @@
 // Raw CUDA calls only, each checked with cudawait::check (failures while tearing down are
 // reported, never thrown). Everything lives on the device current at construction.
 
-#include <cudawait/error.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
 #include <cstddef>

@@ -18,7 +18,7 @@
 // Without a CUDA device the program exits with 2.
 
 #include <cudawait/cudawait.hpp>
-#include <cudawait/nccl.hpp>
+#include <cudawait/nccl/nccl.hpp>
 
 #include <algorithm>
 #include <chrono>

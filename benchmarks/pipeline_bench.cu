@@ -132,10 +132,10 @@
 // for the same reason.
 
 #include <cudawait/cudawait.hpp>
-#include <cudawait/multi_pipeline.hpp>
-#include <cudawait/pipeline.hpp>
+#include <cudawait/pipeline/multi_pipeline.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
 
-#include <cudawait/detail/parallel_memcpy.hpp>
+#include <cudawait/copy/detail/parallel_memcpy.hpp>
 
 #include <algorithm>
 #include <condition_variable>

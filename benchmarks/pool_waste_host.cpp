@@ -13,7 +13,7 @@
 // The hit path: allocate + deallocate of one size on a warm pool (4 KiB, 1 MiB, 64 MiB), the
 // median of 200 batches of 1000 pairs, as memory_bench's BM_pool_alloc_free measures it.
 
-#include <cudawait/pinned_pool.hpp>
+#include <cudawait/memory/pinned_pool.hpp>
 
 #include <algorithm>
 #include <chrono>

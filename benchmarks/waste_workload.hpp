@@ -14,7 +14,7 @@
 // Sizes are log-uniform in [kWasteMinBytes, kWasteMaxBytes]. The figure is
 // peak_reserved_bytes / peak_requested_bytes of the pool.
 
-#include <cudawait/pinned_pool.hpp>
+#include <cudawait/memory/pinned_pool.hpp>
 
 #include <algorithm>
 #include <chrono>

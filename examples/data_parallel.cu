@@ -28,7 +28,7 @@
 // the environment of the copies --spawn starts. Without a GPU the program exits with 2.
 
 #include <cudawait/cudawait.hpp>
-#include <cudawait/nccl.hpp>
+#include <cudawait/nccl/nccl.hpp>
 
 #include <algorithm>
 #include <chrono>

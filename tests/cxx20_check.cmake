@@ -2,7 +2,7 @@
 # header.cxx20_required (tests/CMakeLists.txt), run in script mode:
 #   cmake -DSETTINGS=<file> -DWORK_DIR=<dir> -P cxx20_check.cmake
 # Compiles a translation unit that includes one public header, as C++17, for every header with
-# the host compiler and for the umbrella and task.hpp with nvcc. A header that does not compile
+# the host compiler and for the umbrella and core/task.hpp with nvcc. A header that does not compile
 # as C++17 must fail with cudawait's "needs C++20" message as its first error (not with
 # <coroutine>'s "requires -fcoroutines" or whatever C++20 feature comes first); the umbrella
 # must fail. SETTINGS sets CHECK_CXX, CHECK_NVCC, CHECK_CUDA_HOST_COMPILER, CHECK_INCLUDE_DIRS
@@ -26,9 +26,10 @@ set(failures "")
 # from a .<ext> file; sets `rc` and `first_error` (the first line that reports an error) in the
 # caller.
 function(compile_as_cxx17 header ext)
-  set(src "${WORK_DIR}/${header}_${ext}.${ext}")
+  string(REPLACE "/" "_" name "${header}")
+  set(src "${WORK_DIR}/${name}_${ext}.${ext}")
   file(WRITE "${src}" "#include <cudawait/${header}.hpp>\nint main() { return 0; }\n")
-  execute_process(COMMAND ${ARGN} ${include_args} -c "${src}" -o "${WORK_DIR}/${header}_${ext}.o"
+  execute_process(COMMAND ${ARGN} ${include_args} -c "${src}" -o "${WORK_DIR}/${name}_${ext}.o"
     RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE out)
   string(REGEX MATCH "[^\n]*[ :]error:[^\n]*" first "${out}")
   set(rc "${status}" PARENT_SCOPE)
@@ -59,7 +60,7 @@ endfunction()
 # The first error is all that matters, so the host compiler stops there.
 foreach(header IN LISTS CHECK_HEADERS)
   set(must_fail FALSE)
-  if(header STREQUAL "cudawait" OR header STREQUAL "task")
+  if(header STREQUAL "cudawait" OR header STREQUAL "core/task" OR header STREQUAL "core")
     set(must_fail TRUE)
   endif()
   check_header(${header} cpp ${must_fail} "${CHECK_CXX}" -std=c++17 -Wfatal-errors)
@@ -69,7 +70,7 @@ set(ccbin_args "")
 if(CHECK_CUDA_HOST_COMPILER)
   set(ccbin_args -ccbin "${CHECK_CUDA_HOST_COMPILER}")
 endif()
-foreach(header cudawait task)
+foreach(header cudawait core/task)
   check_header(${header} cu TRUE "${CHECK_NVCC}" ${ccbin_args} -std=c++17)
 endforeach()
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Built against the installed cudawait::nccl: nccl.hpp compiles and libnccl links.
-#include <cudawait/nccl.hpp>
+#include <cudawait/nccl/nccl.hpp>
 
 #include <cstdio>
 

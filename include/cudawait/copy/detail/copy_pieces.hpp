@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// A bulk copy enqueued as several smaller ones (pipeline_options::copy_piece_bytes): a copy
+// engine finishes the copy it is on before it takes the next of another stream's queue, so a
+// small copy made on another stream (the small lane, copy_lane.hpp) waits at most for one
+// piece, not for a whole chunk. The pieces go on one stream, in order, so that to every other
+// stream and event they are one copy.
+//
+// A copy of several pieces whose host ends are not one range (a streaming run that mixes the
+// slot's pinned chunks with the caller's own page-locked spans) is listed as copy_piece's and
+// enqueued by copy_batch as one cudaMemcpyBatchAsync (CUDA 12.8 and later; one cudaMemcpyAsync
+// per piece before, or where the driver refuses the batch), each piece cut at piece_bytes as
+// above.
+
+#include <cudawait/runtime/error.hpp>
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace cudawait::detail {
+
+/// Enqueues the copy of `bytes` from `src` to `dst` on `s` as pieces of `piece_bytes` (the
+/// last one shorter), or as one copy when piece_bytes is 0 or not below `bytes`.
+/// @throws cuda_error (the pieces enqueued before the failing one stay enqueued)
+/// (Templates here, their containers named dependently: only a translation unit that uses them
+/// compiles them; see dependent_t in config.hpp.)
+template <class Unused = void>
+void enqueue_in_pieces(void* dst, const void* src, std::size_t bytes, std::size_t piece_bytes,
+                       cudaMemcpyKind kind, cudaStream_t s) {
+    if (piece_bytes == 0 || piece_bytes >= bytes) {
+        check(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
+        return;
+    }
+    auto* d = static_cast<dependent_t<Unused, char>*>(dst);
+    const auto* p = static_cast<const char*>(src);
+    for (std::size_t done = 0; done < bytes; done += piece_bytes) {
+        const std::size_t n = piece_bytes < bytes - done ? piece_bytes : bytes - done;
+        check(cudaMemcpyAsync(d + done, p + done, n, kind, s), "cudaMemcpyAsync");
+    }
+}
+
+/// One copy of a run: `bytes` from `src` to `dst`. `mergeable`: its host end is the pipeline's
+/// own pinned buffer, so that it may join the piece before it (a caller's span never does).
+struct copy_piece {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    std::size_t bytes = 0;
+    bool mergeable = false;
+};
+
+/// Appends a piece to `pieces`, or extends the last one when both are mergeable and the new
+/// one continues it on both ends (consecutive chunks of a slot's own buffers: one copy).
+/// (`Pieces`: a std::vector<copy_piece>.)
+template <class Pieces>
+void append_piece(Pieces& pieces, void* dst, const void* src, std::size_t bytes, bool mergeable) {
+    if (mergeable && !pieces.empty()) {
+        copy_piece& last = pieces.back();
+        if (last.mergeable && static_cast<char*>(last.dst) + last.bytes == dst &&
+            static_cast<const char*>(last.src) + last.bytes == src) {
+            last.bytes += bytes;
+            return;
+        }
+    }
+    pieces.push_back(copy_piece{dst, src, bytes, mergeable});
+}
+
+/// Enqueues lists of copy_piece's as one batched copy. Its arrays are kept between calls, so
+/// that a steady stream of runs allocates nothing. Not thread-safe (one per pipeline).
+template <class Unused = void>
+class basic_copy_batch {
+    template <class T>
+    using list = std::vector<dependent_t<Unused, T>>;
+
+public:
+    /// Lays `pieces` out as the batch's arrays, each piece cut into copies of at most
+    /// `piece_bytes` (0: uncut); empty pieces are left out.
+    void lay_out(std::span<const dependent_t<Unused, copy_piece>> pieces, std::size_t piece_bytes) {
+        m_dsts.clear();
+        m_srcs.clear();
+        m_sizes.clear();
+        for (const copy_piece& p : pieces) {
+            const std::size_t step = piece_bytes == 0 ? p.bytes : piece_bytes;
+            for (std::size_t done = 0; done < p.bytes; done += step) {
+                m_dsts.push_back(static_cast<char*>(p.dst) + done);
+                // The 12.8 signature takes non-const sources; nothing is written through them.
+                m_srcs.push_back(const_cast<char*>(static_cast<const char*>(p.src)) + done);
+                m_sizes.push_back(step < p.bytes - done ? step : p.bytes - done);
+            }
+        }
+    }
+
+    /// The copies lay_out() made, in order.
+    [[nodiscard]] std::span<void* const> dsts() const noexcept { return m_dsts; }
+    [[nodiscard]] std::span<void* const> srcs() const noexcept { return m_srcs; }
+    [[nodiscard]] std::span<const std::size_t> sizes() const noexcept { return m_sizes; }
+
+    /// Enqueues `pieces` (see lay_out) on `s` in the direction `kind` between the host and
+    /// `device`: one cudaMemcpyAsync when they make one copy, else one cudaMemcpyBatchAsync, in
+    /// stream order like any copy (the source is read in stream order).
+    /// @throws cuda_error (with per-piece copies, the ones before the failing one stay enqueued)
+    void enqueue(std::span<const dependent_t<Unused, copy_piece>> pieces, std::size_t piece_bytes,
+                 cudaMemcpyKind kind, int device, cudaStream_t s) {
+        lay_out(pieces, piece_bytes);
+        const std::size_t n = m_sizes.size();
+        if (n == 0) {
+            return;
+        }
+        if (n > 1 && !m_batch_refused && enqueue_batch(kind, device, s)) {
+            return;
+        }
+        for (std::size_t i = 0; i < n; ++i) {
+            check(cudaMemcpyAsync(m_dsts[i], m_srcs[i], m_sizes[i], kind, s), "cudaMemcpyAsync");
+        }
+    }
+
+private:
+    // False when the runtime or driver lacks the batch (the copies are then made one by one,
+    // and from then on); true when it was enqueued.
+    bool enqueue_batch([[maybe_unused]] cudaMemcpyKind kind, [[maybe_unused]] int device,
+                       [[maybe_unused]] cudaStream_t s) {
+#if CUDART_VERSION >= 12080
+        const cudaMemLocation host{cudaMemLocationTypeHost, 0};
+        const cudaMemLocation dev{cudaMemLocationTypeDevice, device};
+        const bool to_device = kind == cudaMemcpyHostToDevice;
+        cudaMemcpyAttributes attr{};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream; // as cudaMemcpyAsync: in order
+        attr.srcLocHint = to_device ? host : dev;
+        attr.dstLocHint = to_device ? dev : host;
+        // The pipeline's copies run beside its kernels: leave the SMs to them.
+        attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+        std::size_t first = 0; // the attribute applies to every copy
+#if CUDART_VERSION >= 13000
+        const cudaError_t st = cudaMemcpyBatchAsync(m_dsts.data(), m_srcs.data(), m_sizes.data(),
+                                                    m_sizes.size(), &attr, &first, 1, s);
+#else
+        std::size_t fail_index = 0;
+        const cudaError_t st =
+            cudaMemcpyBatchAsync(m_dsts.data(), m_srcs.data(), m_sizes.data(), m_sizes.size(),
+                                 &attr, &first, 1, &fail_index, s);
+#endif
+        if (st == cudaErrorNotSupported || st == cudaErrorCallRequiresNewerDriver) {
+            (void)cudaGetLastError(); // not sticky: later calls must not see it
+            m_batch_refused = true;
+            return false;
+        }
+        check(st, "cudaMemcpyBatchAsync");
+        return true;
+#else
+        m_batch_refused = true;
+        return false;
+#endif
+    }
+
+    list<void*> m_dsts;
+    list<void*> m_srcs;
+    list<std::size_t> m_sizes;
+    bool m_batch_refused = false;
+};
+
+using copy_batch = basic_copy_batch<>;
+
+} // namespace cudawait::detail
