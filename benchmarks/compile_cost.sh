@@ -8,7 +8,7 @@
 #                  2-core VM the second compile of a pair ran 10-20% slower, so N should be
 #                  even). The seconds are the best of N; the ratio is the median of the N
 #                  rounds' own ratios, so load that comes and goes moves a round's pair alike
-#     --headers    also time each public header on its own (nccl.hpp only where nccl.h is found)
+#     --headers    also time each face and public header on its own (nccl ones only where nccl.h is found)
 #     --cpu        CPU seconds (user + system) instead of wall seconds: steadier on a busy machine
 #     --memory     g++ only: MB its front end allocates (-ftime-report's TOTAL), which does not
 #                  depend on load at all; it follows the time closely
@@ -176,16 +176,20 @@ subject() {
 }
 
 subject umbrella cudawait.hpp
-subject coroutine task.hpp scheduler.hpp
+subject coroutine core/task.hpp core/scheduler.hpp
+subject core_face core.hpp
 if ((per_header)); then
-    for header in "${root}"/include/cudawait/*.hpp; do
-        header="$(basename "${header}")"
+    # The faces (cudawait/<module>.hpp) and every module's public headers (not detail/).
+    for header in "${root}"/include/cudawait/*.hpp "${root}"/include/cudawait/*/*.hpp; do
+        header="${header#"${root}"/include/cudawait/}"
         [[ "${header}" == cudawait.hpp ]] && continue
-        if [[ "${header}" == nccl.hpp ]]; then
+        name="${header%.hpp}"
+        name="${name//\//_}"
+        if [[ "${header}" == nccl.hpp || "${header}" == nccl/* ]]; then
             ((${#nccl_includes[@]} > 0)) || continue
-            extra[nccl]="${nccl_includes[*]}"
+            extra[${name}]="${nccl_includes[*]}"
         fi
-        subject "${header%.hpp}" "${header}"
+        subject "${name}" "${header}"
     done
 fi
 printf '#include <coroutine>\n#include <cuda_runtime.h>\nint main() {}\n' >"${work}/reference.cpp"
@@ -325,7 +329,7 @@ for compiler in "${compilers[@]}"; do
     printf '%-9s %-15s %8.2f %8s\n' "${compiler}" "reference" "${best[${compiler}/reference]}" \
         "-"
 done
-echo "reference: <coroutine> + <cuda_runtime.h> only; coroutine: task.hpp + scheduler.hpp"
+echo "reference: <coroutine> + <cuda_runtime.h> only; coroutine: core/task.hpp + core/scheduler.hpp; core_face: core.hpp"
 if ((paired)); then
     for compiler in "${compilers[@]}"; do
         for name in umbrella coroutine; do

@@ -131,11 +131,10 @@
 // g++ raise -Wsubobject-linkage in nvcc's host pass. Pipeline stages are named function objects
 // for the same reason.
 
+#include <cudawait/copy/detail/parallel_memcpy.hpp>
 #include <cudawait/cudawait.hpp>
 #include <cudawait/pipeline/multi_pipeline.hpp>
 #include <cudawait/pipeline/pipeline.hpp>
-
-#include <cudawait/copy/detail/parallel_memcpy.hpp>
 
 #include <algorithm>
 #include <condition_variable>

@@ -11,10 +11,10 @@
 //   foreign streams and events (PyTorch, CCCL)    core/interop.hpp
 // Manual: docs/core.md.
 
-#include <cudawait/core/task.hpp>
-#include <cudawait/core/scheduler.hpp>
-#include <cudawait/core/sync_wait.hpp>
-#include <cudawait/core/when_all.hpp>
-#include <cudawait/core/scope.hpp>
-#include <cudawait/core/timeout.hpp>
 #include <cudawait/core/interop.hpp>
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/scope.hpp>
+#include <cudawait/core/sync_wait.hpp>
+#include <cudawait/core/task.hpp>
+#include <cudawait/core/timeout.hpp>
+#include <cudawait/core/when_all.hpp>

@@ -11,12 +11,12 @@
 //   mapped_buffer<T>, managed_buffer<T>           memory/mapped_buffer.hpp, managed_buffer.hpp
 // Manual: docs/memory.md.
 
-#include <cudawait/memory/memory_kind.hpp>
-#include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/memory/numa_pool.hpp>
-#include <cudawait/memory/host_registration.hpp>
-#include <cudawait/memory/device_resource.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/memory/device_buffer.hpp>
-#include <cudawait/memory/mapped_buffer.hpp>
+#include <cudawait/memory/device_resource.hpp>
+#include <cudawait/memory/host_registration.hpp>
 #include <cudawait/memory/managed_buffer.hpp>
+#include <cudawait/memory/mapped_buffer.hpp>
+#include <cudawait/memory/memory_kind.hpp>
+#include <cudawait/memory/numa_pool.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/memory/pinned_pool.hpp>

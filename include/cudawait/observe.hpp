@@ -7,6 +7,6 @@
 //   watchdog                                      observe/watchdog.hpp
 // Manual: docs/observe.md.
 
-#include <cudawait/observe/trace.hpp>
 #include <cudawait/observe/timeline.hpp>
+#include <cudawait/observe/trace.hpp>
 #include <cudawait/observe/watchdog.hpp>

@@ -9,8 +9,8 @@
 //   multi_pipeline (one shard per device)                         pipeline/multi_pipeline.hpp
 // Manual: docs/pipeline.md.
 
-#include <cudawait/pipeline/pipeline.hpp>
-#include <cudawait/pipeline/options.hpp>
-#include <cudawait/pipeline/stage.hpp>
-#include <cudawait/pipeline/report.hpp>
 #include <cudawait/pipeline/multi_pipeline.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/pipeline/report.hpp>
+#include <cudawait/pipeline/stage.hpp>

@@ -9,8 +9,8 @@
 //   graph, graph_exec, capture                     runtime/graph.hpp
 // Manual: docs/runtime.md.
 
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/stream.hpp>
+#include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/graph.hpp>
+#include <cudawait/runtime/stream.hpp>

@@ -3,15 +3,14 @@
 // is enqueued. (On a GPU: tests/copy/copy_lane_test.cpp.) The registry and the small-copy kernel's
 // loading are process-wide, and the test needs the pipeline's streams to be the only ones
 // registered for device 0: this program has one test.
-#include <cudawait/memory/pinned_buffer.hpp>
-#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
-
-#include <cudawait/copy/detail/bulk_streams.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -5,11 +5,10 @@
 // first time: this program has one test.
 #include <cudawait/copy/copy.hpp>
 #include <cudawait/copy/copy_lane.hpp>
-#include <cudawait/runtime/device.hpp>
+#include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
-
-#include <cudawait/copy/detail/bulk_streams.hpp>
+#include <cudawait/runtime/device.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -1,15 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // copy_lane.hpp on the fake CUDA runtime: the lanes and a small-copy kernel that cannot be
-// loaded. (The lanes on a GPU are tested in tests/copy/copy_lane_test.cpp.) The lanes, the small-copy
-// kernel and the bulk-stream registry are process-wide: this program has one test.
+// loaded. (The lanes on a GPU are tested in tests/copy/copy_lane_test.cpp.) The lanes, the
+// small-copy kernel and the bulk-stream registry are process-wide: this program has one test.
 #include <cudawait/copy/copy.hpp>
 #include <cudawait/copy/copy_lane.hpp>
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/error.hpp>
+#include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
-
-#include <cudawait/copy/detail/bulk_streams.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <cstddef>
 #include <cstdint>

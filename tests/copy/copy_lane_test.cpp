@@ -5,17 +5,16 @@
 // detail/sm_copy.hpp). Copies through the lanes, element by element, are in copy_test.cpp.
 #include <cudawait/copy/copy.hpp>
 #include <cudawait/copy/copy_lane.hpp>
-#include <cudawait/memory/device_buffer.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
-#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/copy/detail/bulk_streams.hpp>
+#include <cudawait/copy/detail/copy_pieces.hpp>
+#include <cudawait/copy/detail/sm_copy.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
-
-#include <cudawait/copy/detail/bulk_streams.hpp>
-#include <cudawait/copy/detail/copy_pieces.hpp>
-#include <cudawait/copy/detail/sm_copy.hpp>
+#include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -1,12 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/copy/copy.hpp>
-#include <cudawait/memory/device_buffer.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/copy/detail/staging.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/when_all.hpp>
-
-#include <cudawait/copy/detail/staging.hpp>
+#include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
 
 #include <cstdint>
 #include <cstdio>

@@ -3,12 +3,12 @@
 // pipeline's utilisation alert, which fires when the host does not keep the link fed.
 
 #include <cudawait/copy/link.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
-#include <cudawait/pipeline/pipeline.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>

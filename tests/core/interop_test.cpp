@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/memory/device_buffer.hpp>
-#include <cudawait/runtime/event.hpp>
 #include <cudawait/core/interop.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <cstddef>
 #include <cstdint>

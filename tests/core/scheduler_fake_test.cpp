@@ -2,12 +2,12 @@
 // The scheduler's stream waits against the fake CUDA runtime (tests/support/fake_cuda.hpp): which
 // stream a wait's event is recorded on, per device and per thread, and handles reused by the
 // driver. No GPU needed; these run under AddressSanitizer and ThreadSanitizer in CI.
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <atomic>
 #include <chrono>

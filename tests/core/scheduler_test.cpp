@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/runtime/event.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/scope.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/runtime/event.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/timeout.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <atomic>

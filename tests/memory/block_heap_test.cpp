@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // detail/block_heap.hpp: the pinned pool's allocator and address map on their own, at fake
 // addresses (the heap never touches the memory it manages), so they need no GPU.
-#include <cudawait/memory/pinned_pool.hpp> // the _KiB, _MiB and _GiB literals
-
 #include <cudawait/memory/detail/block_heap.hpp>
+#include <cudawait/memory/pinned_pool.hpp> // the _KiB, _MiB and _GiB literals
 
 #include <cstddef>
 #include <cstdint>

@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/copy/copy.hpp>
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/sync_wait.hpp>
 #include <cudawait/memory/device_buffer.hpp>
 #include <cudawait/memory/host_registration.hpp>
 #include <cudawait/memory/memory_kind.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/sync_wait.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/memory/mapped_buffer.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/memory/mapped_buffer.hpp>
 
 #include <algorithm>
 #include <atomic>

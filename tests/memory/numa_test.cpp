@@ -1,13 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/copy/copy.hpp>
+#include <cudawait/memory/detail/numa.hpp>
 #include <cudawait/memory/device_buffer.hpp>
 #include <cudawait/memory/numa_pool.hpp>
 #include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/runtime/stream.hpp>
-
 #include <cudawait/pipeline/detail/multi_pool.hpp>
-#include <cudawait/memory/detail/numa.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <cerrno>

@@ -2,12 +2,12 @@
 // Nothing here defines LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE: the pool must be a
 // cuda::mr resource for a user who does nothing special.
 #include <cudawait/copy/copy.hpp>
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/task.hpp>
 #include <cudawait/memory/device_buffer.hpp>
 #include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
 
 #include <algorithm>
 #include <array>

@@ -6,12 +6,12 @@
 // stream that never reaches the collective), each of which must end in nccl::error within its
 // timeout and leave nothing behind.
 
-#include <cudawait/nccl/nccl.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/nccl/nccl.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/pipeline/pipeline.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/observe/timeline.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <cctype>

@@ -6,8 +6,8 @@
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
-#include <cudawait/observe/trace.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/observe/trace.hpp>
 
 #include <chrono>
 #include <cstdint>

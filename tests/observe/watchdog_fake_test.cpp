@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // The watchdog against the fake CUDA runtime (tests/support/fake_cuda.hpp): a hung stream, no
 // GPU. Runs under AddressSanitizer and ThreadSanitizer in CI.
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
-#include <cudawait/observe/watchdog.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/observe/watchdog.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <chrono>
 

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/observe/watchdog.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -7,17 +7,17 @@
 //
 // Every test makes the two devices before its first use of the library: the library sizes its
 // per-device pools at their first use in the process.
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/pipeline/multi_pipeline.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
-#include <cudawait/pipeline/pipeline.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
-#include <cudawait/observe/watchdog.hpp>
 #include <cudawait/core/when_all.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/observe/watchdog.hpp>
+#include <cudawait/pipeline/multi_pipeline.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <atomic>

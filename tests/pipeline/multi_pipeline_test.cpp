@@ -1,14 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/memory/device_buffer.hpp>
-#include <cudawait/memory/mapped_buffer.hpp>
-#include <cudawait/pipeline/multi_pipeline.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/when_all.hpp>
-
+#include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/mapped_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/pipeline/detail/multi_pool.hpp>
 #include <cudawait/pipeline/detail/multi_stats.hpp>
+#include <cudawait/pipeline/multi_pipeline.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -3,14 +3,13 @@
 // NVTX headers before it would define weakly.
 #include "nvtx_recorder.hpp"
 // The rest.
-#include <cudawait/memory/host_registration.hpp>
-#include <cudawait/memory/mapped_buffer.hpp>
-#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/core/detail/wait_list.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/when_all.hpp>
-
-#include <cudawait/core/detail/wait_list.hpp>
+#include <cudawait/memory/host_registration.hpp>
+#include <cudawait/memory/mapped_buffer.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -2914,10 +2913,9 @@ TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streami
 
 // ---- latency percentiles and the post-mortem report -----------------------------------------
 
-#include <cudawait/pipeline/report.hpp>
-
 #include <cudawait/pipeline/detail/latency.hpp>
 #include <cudawait/pipeline/detail/monitor.hpp>
+#include <cudawait/pipeline/report.hpp>
 
 #include <cctype>
 #include <filesystem>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cudawait/copy/copy_lane.hpp>
-#include <cudawait/runtime/device.hpp>
 #include <cudawait/memory/managed_buffer.hpp>
+#include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <cstdint>

@@ -5,13 +5,12 @@
 // that exits normally neither hangs nor crashes. Each child reports through its exit code and
 // must end within a deadline; the parent kills it otherwise.
 
+#include <cudawait/copy/detail/parallel_memcpy.hpp>
+#include <cudawait/memory/pinned_pool.hpp>
+#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
-#include <cudawait/memory/pinned_pool.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/runtime/detail/fork_guard.hpp>
-#include <cudawait/copy/detail/parallel_memcpy.hpp>
 
 #include <chrono>
 #include <cstdint>

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <cudawait/runtime/device.hpp>
 #include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/graph.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>

@@ -3,11 +3,11 @@
 // device rule of cudaEventRecord, how the special stream handles resolve per thread and device,
 // dependencies through cudaStreamWaitEvent, handle reuse, fault injection; and a scheduler
 // awaiting a cudawait::stream on top of it.
-#include <cudawait/runtime/device.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <atomic>
 #include <chrono>

@@ -6,9 +6,9 @@
 // of code that stages through the default pinned pool, which also checks that every block the
 // test took came back.
 
+#include <cudawait/memory/pinned_pool.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/event.hpp>
-#include <cudawait/memory/pinned_pool.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <string>

@@ -5,10 +5,10 @@
 // (built by the host compiler) and task_cuda_test.cu (built by nvcc) both run, so the spelling
 // is known to compile and to work under both.
 
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/error.hpp>
 
 namespace cudawait::testing {
 

@@ -69,19 +69,18 @@
 // memcpy between the block and the vector.
 
 #include <cudawait/copy/copy_lane.hpp>
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/memory/memory_kind.hpp>
-#include <cudawait/memory/pinned_buffer.hpp> // detail::staged_copy's chunks, not the buffer arguments
-#include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
-
 #include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/copy/detail/sm_copy.hpp>
 #include <cudawait/copy/detail/staging.hpp>
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/task.hpp>
+#include <cudawait/memory/memory_kind.hpp>
+#include <cudawait/memory/pinned_buffer.hpp> // detail::staged_copy's chunks, not the buffer arguments
+#include <cudawait/memory/pinned_pool.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <cstddef>

@@ -45,12 +45,11 @@
 // lanes after it. In a child process made by fork() after the parent used the lanes,
 // for_device throws usage_error (CUDA state is not inherited; detail/fork_guard.hpp).
 
+#include <cudawait/copy/detail/bulk_streams.hpp>
+#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/copy/detail/bulk_streams.hpp>
-#include <cudawait/runtime/detail/fork_guard.hpp>
 
 #include <cstddef>
 #include <mutex>

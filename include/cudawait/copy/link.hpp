@@ -15,10 +15,9 @@
 // answers they are 0 and link_info::source says why. The current generation of an idle GPU may
 // be below the maximum: the link slows down to save power and speeds up under load.
 
+#include <cudawait/copy/detail/link_peak.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
-
-#include <cudawait/copy/detail/link_peak.hpp>
 
 #include <cctype>
 #include <cstdio>

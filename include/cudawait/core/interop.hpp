@@ -26,8 +26,8 @@
 // made before it, and a later record of the same event does not change what it waits for.
 
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <source_location>
 

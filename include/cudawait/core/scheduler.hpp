@@ -48,16 +48,15 @@
 // (queueing a wait or a timer, counting internal children, run_from) is private and reached
 // through detail::scheduler_access.
 
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
-
 #include <cudawait/core/detail/detached.hpp>
 #include <cudawait/core/detail/doorbell.hpp>
 #include <cudawait/core/detail/idle_watch.hpp>
 #include <cudawait/core/detail/wake_history.hpp>
+#include <cudawait/core/task.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <atomic>

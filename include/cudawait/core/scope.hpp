@@ -9,11 +9,10 @@
 //   for (auto& s : streams) scope.spawn(consume(s));
 //   co_await scope.join();
 
-#include <cudawait/runtime/error.hpp>
+#include <cudawait/core/detail/detached.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
-
-#include <cudawait/core/detail/detached.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <coroutine>
 #include <cstddef>

@@ -7,11 +7,10 @@
 //
 // The bridge from ordinary code into coroutines: `int n = sync_wait(sched, count_things());`.
 
-#include <cudawait/runtime/error.hpp>
+#include <cudawait/core/detail/detached.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
-
-#include <cudawait/core/detail/detached.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <atomic>
 #include <coroutine>

@@ -11,14 +11,13 @@
 // GPU may still touch: the awaiting coroutine gets timeout_error, and the work (or the wait on
 // an event recorded at the call) goes on under the scheduler until it finished.
 
+#include <cudawait/core/detail/detached.hpp>
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/task.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
-
-#include <cudawait/core/detail/detached.hpp>
 
 #include <atomic>
 #include <chrono>

@@ -9,8 +9,8 @@
 // the last one finished. If any child threw, the first exception to occur is rethrown, and only
 // after all children finished: nothing is left running behind the caller's back.
 
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <atomic>
 #include <coroutine>

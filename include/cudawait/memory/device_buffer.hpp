@@ -16,13 +16,12 @@
 // data(), span(), begin() and end() of an empty (default-constructed, moved-from or reset) buffer
 // throw usage_error. There is no operator[]: the host cannot touch device memory.
 
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/memory/device_resource.hpp>
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/memory/memory_kind.hpp>
-#include <cudawait/runtime/stream.hpp>
-
 #include <cudawait/memory/detail/typed_allocation.hpp>
+#include <cudawait/memory/device_resource.hpp>
+#include <cudawait/memory/memory_kind.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <cstddef>
 #include <source_location>

@@ -22,8 +22,8 @@
 // Move-only. A range, or part of one, registered already (by another host_registration or by
 // anything else) fails with cuda_error whose status() is cudaErrorHostMemoryAlreadyRegistered.
 
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/memory/memory_kind.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <cstddef>
 #include <iterator>

@@ -23,14 +23,13 @@
 // On an empty (default-constructed, moved-from or reset) buffer, data(), the span, begin(), end()
 // and operator[] throw usage_error.
 
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/task.hpp>
+#include <cudawait/memory/detail/typed_allocation.hpp>
+#include <cudawait/memory/memory_kind.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
-#include <cudawait/memory/memory_kind.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
-
-#include <cudawait/memory/detail/typed_allocation.hpp>
 
 #include <cstddef>
 #include <ranges>

@@ -11,10 +11,9 @@
 // On an empty (default-constructed, moved-from or reset) buffer, data(), device_data(), the spans,
 // begin(), end() and operator[] throw usage_error.
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/memory/memory_kind.hpp>
-
 #include <cudawait/memory/detail/typed_allocation.hpp>
+#include <cudawait/memory/memory_kind.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <cstddef>
 #include <cstring>

@@ -19,11 +19,10 @@
 // with numa_policy::preferred it is made anyway, placed by first touch, and counted in
 // unplaced_slabs().
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/memory/pinned_pool.hpp>
-
-#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/memory/detail/numa.hpp>
+#include <cudawait/memory/pinned_pool.hpp>
+#include <cudawait/runtime/detail/fork_guard.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -14,12 +14,11 @@
 // access to the memory (data(), span(), begin(), end(), operator[], pool(), record_use) throws
 // usage_error.
 
-#include <cudawait/runtime/error.hpp>
+#include <cudawait/memory/detail/typed_allocation.hpp>
 #include <cudawait/memory/memory_kind.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
+#include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/memory/detail/typed_allocation.hpp>
 
 #include <cstddef>
 #include <cstdio>

@@ -38,13 +38,12 @@
 // LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE before every libcu++ header
 // (CUDAWAIT_HAS_CUDA_MR tells; see device_resource.hpp).
 
+#include <cudawait/memory/detail/block_heap.hpp>
 #include <cudawait/memory/device_resource.hpp>
+#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/memory/detail/block_heap.hpp>
-#include <cudawait/runtime/detail/fork_guard.hpp>
 
 #include <algorithm>
 #include <cassert>

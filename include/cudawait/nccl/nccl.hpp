@@ -54,14 +54,13 @@
 // ncclInProgress, which the library waits out before it returns (the *_async calls and group
 // end() by spinning, init_rank_async on the scheduler).
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
+#include <cudawait/core/detail/detached.hpp>
 #include <cudawait/core/scheduler.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/timeout.hpp>
-
-#include <cudawait/core/detail/detached.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -46,12 +46,11 @@
 //
 // Thread-safe: spans may be recorded from any thread.
 
+#include <cudawait/observe/detail/json.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/observe/detail/json.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -34,11 +34,11 @@
 // The heartbeat kernel is loaded from PTX through the runtime's driver entry points (CUDA 12.5
 // or newer), so this header needs neither nvcc nor linking the driver library.
 
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/task.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -70,19 +70,18 @@
 // (the union's nearest-rank percentile lies between the shards' lowest and highest; exact with one
 // shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
 
-#include <cudawait/runtime/device.hpp>
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/pipeline/pipeline.hpp>
-#include <cudawait/pipeline/options.hpp>
-#include <cudawait/pipeline/stage.hpp>
+#include <cudawait/core/detail/wait_list.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
 #include <cudawait/core/when_all.hpp>
-
 #include <cudawait/pipeline/detail/multi_pool.hpp>
 #include <cudawait/pipeline/detail/multi_rescue.hpp>
 #include <cudawait/pipeline/detail/multi_stats.hpp>
-#include <cudawait/core/detail/wait_list.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/pipeline/pipeline.hpp>
+#include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
 #include <chrono>

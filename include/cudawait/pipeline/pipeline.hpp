@@ -191,18 +191,17 @@
 // The value types (options, stats, alert, chunk_failure, pipeline_error) are in
 // pipeline_options.hpp; detail/link_peak.hpp measures the link's peak.
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/memory/memory_kind.hpp>
-#include <cudawait/pipeline/options.hpp>
-#include <cudawait/pipeline/report.hpp>
-#include <cudawait/pipeline/stage.hpp>
-#include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
-
 #include <cudawait/copy/detail/link_peak.hpp>
+#include <cudawait/core/task.hpp>
+#include <cudawait/memory/memory_kind.hpp>
 #include <cudawait/pipeline/detail/batch.hpp>
 #include <cudawait/pipeline/detail/slots.hpp>
 #include <cudawait/pipeline/detail/stream.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/pipeline/report.hpp>
+#include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <chrono>

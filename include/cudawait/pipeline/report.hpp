@@ -17,10 +17,9 @@
 //    "device":  {"id", "name" (null, with "error", when the runtime cannot tell)}}
 // pipeline_options::report_path makes the pipeline write it on failure (pipeline.hpp).
 
-#include <cudawait/runtime/error.hpp> // first: the C++20 check (detail/config.hpp)
-#include <cudawait/pipeline/options.hpp>
-
 #include <cudawait/observe/detail/json.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/runtime/error.hpp> // first: the C++20 check (detail/config.hpp)
 
 #include <cinttypes>
 #include <cstdint>

@@ -18,12 +18,11 @@
 // Inside a task, `co_await ev` resumes once the work captured by the event's last record
 // finished (scheduler.hpp); `ev` may be any event_like type, and event_ref(x) views one.
 
+#include <cudawait/runtime/detail/event_ops.hpp>
+#include <cudawait/runtime/detail/event_pool.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/runtime/detail/event_ops.hpp>
-#include <cudawait/runtime/detail/event_pool.hpp>
 
 #include <atomic>
 #include <concepts>

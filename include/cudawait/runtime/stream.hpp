@@ -25,10 +25,9 @@
 // s.wait(cudaStreamLegacy), or wait_for_legacy_stream(s) / legacy_stream_wait_for(s)
 // (interop.hpp), do that.
 
+#include <cudawait/runtime/detail/stream_ops.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
-
-#include <cudawait/runtime/detail/stream_ops.hpp>
 
 #include <atomic>
 #include <concepts>

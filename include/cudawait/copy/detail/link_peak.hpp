@@ -4,11 +4,11 @@
 // The link probe behind pipeline_stats::link_peak_gbps and the bandwidth alerts: a few timed
 // 64 MiB pinned copies each way, once per device and process.
 
-#include <cudawait/runtime/device.hpp>
 #include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>

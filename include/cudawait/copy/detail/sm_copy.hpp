@@ -24,11 +24,10 @@
 // both addresses and the size are multiples of 16, else 4-byte words where they are multiples of
 // 4, else bytes; up to sm_copy_max_blocks blocks of sm_copy_threads threads, one pass for 64 KiB.
 
+#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/runtime/detail/fork_guard.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -13,14 +13,13 @@
 // on worker threads of its own per direction instead, asynchronously, through its own rings
 // (detail/pipeline_staging.hpp), so that both directions and the GPU overlap.
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
+#include <cudawait/copy/detail/parallel_memcpy.hpp>
 #include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/runtime/stream.hpp>
 #include <cudawait/observe/trace.hpp>
-
-#include <cudawait/copy/detail/parallel_memcpy.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/event.hpp>
+#include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <cstddef>

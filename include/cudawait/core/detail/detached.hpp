@@ -5,8 +5,8 @@
 // children and the work a with_timeout runs. Each of them awaits something, hands the outcome to a
 // sink of its own (what differs between them) and frees itself.
 
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <coroutine>
 #include <exception>

@@ -50,10 +50,9 @@
 // v1 memory operations) or one of these calls fails, begin() returns false and the owner uses
 // idle_watch's host-function sentinels, as before.
 
-#include <cudawait/runtime/error.hpp>
-
-#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/core/detail/idle_watch.hpp>
+#include <cudawait/runtime/detail/fork_guard.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -31,9 +31,8 @@
 // armed and the destructor makes no CUDA call. A host function that never runs (its context
 // died) leaks one small token; the owner polls on a long period anyway (poll_policy).
 
-#include <cudawait/runtime/error.hpp>
-
 #include <cudawait/runtime/detail/fork_guard.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <cstddef>
 #include <memory>

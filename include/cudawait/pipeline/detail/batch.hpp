@@ -16,19 +16,18 @@
 // on its first chunk; a group retried after a lowered depth has the same chunks), and so do
 // degradation records (chunk_failure::chunks) and the trace and timeline ranges.
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/pipeline/options.hpp>
-#include <cudawait/pipeline/report.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
-#include <cudawait/observe/timeline.hpp>
 #include <cudawait/core/timeout.hpp>
+#include <cudawait/observe/timeline.hpp>
 #include <cudawait/observe/trace.hpp>
-
 #include <cudawait/pipeline/detail/group.hpp>
 #include <cudawait/pipeline/detail/slots.hpp>
 #include <cudawait/pipeline/detail/staging.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/pipeline/report.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/event.hpp>
 
 #include <algorithm>
 #include <chrono>

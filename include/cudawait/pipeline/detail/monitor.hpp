@@ -6,15 +6,14 @@
 // derived from them), the chunks' latencies, the failure records of the run, and the chunk-size
 // advice drawn from those figures.
 
+#include <cudawait/copy/detail/link_peak.hpp>
+#include <cudawait/observe/timeline.hpp>
+#include <cudawait/pipeline/detail/latency.hpp>
+#include <cudawait/pipeline/options.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
-#include <cudawait/pipeline/options.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/observe/timeline.hpp>
-
-#include <cudawait/pipeline/detail/latency.hpp>
-#include <cudawait/copy/detail/link_peak.hpp>
 
 #include <algorithm>
 #include <cstddef>

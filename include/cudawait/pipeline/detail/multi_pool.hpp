@@ -7,15 +7,14 @@
 // node, or where the device's node is unknown, default_pinned_pool(). Device memory: the
 // resource shard_device_resource() chooses and checks.
 
-#include <cudawait/runtime/device.hpp>
+#include <cudawait/memory/detail/numa.hpp>
 #include <cudawait/memory/device_resource.hpp>
-#include <cudawait/runtime/error.hpp>
 #include <cudawait/memory/numa_pool.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
 #include <cudawait/pipeline/options.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
-
-#include <cudawait/memory/detail/numa.hpp>
 
 #include <cstddef>
 #include <functional>

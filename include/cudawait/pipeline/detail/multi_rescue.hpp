@@ -6,13 +6,13 @@
 //                           device buffers for one chunk on its device, made on the first
 //                           rescue; run() copies in, calls the stages, copies out and waits.
 
-#include <cudawait/runtime/device.hpp>
 #include <cudawait/memory/device_buffer.hpp>
-#include <cudawait/runtime/error.hpp>
+#include <cudawait/observe/trace.hpp>
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/device.hpp>
+#include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/observe/trace.hpp>
 
 #include <cstddef>
 #include <cstdint>

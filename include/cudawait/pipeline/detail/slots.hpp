@@ -49,26 +49,25 @@
 // is unchanged; chunk j's device spans are aligned to their element type (and to 256 bytes
 // when a chunk's bytes are a multiple of 256).
 
-#include <cudawait/runtime/device.hpp>
+#include <cudawait/copy/detail/bulk_streams.hpp>
+#include <cudawait/copy/detail/copy_pieces.hpp>
+#include <cudawait/copy/detail/sm_copy.hpp>
+#include <cudawait/core/scheduler.hpp>
+#include <cudawait/core/task.hpp>
+#include <cudawait/core/timeout.hpp>
 #include <cudawait/memory/device_buffer.hpp>
+#include <cudawait/memory/pinned_buffer.hpp>
+#include <cudawait/memory/pinned_pool.hpp>
+#include <cudawait/observe/trace.hpp>
+#include <cudawait/pipeline/detail/group.hpp>
+#include <cudawait/pipeline/detail/monitor.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/graph.hpp>
-#include <cudawait/memory/pinned_buffer.hpp>
-#include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/pipeline/options.hpp>
-#include <cudawait/pipeline/stage.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/runtime/stream.hpp>
-#include <cudawait/core/task.hpp>
-#include <cudawait/core/timeout.hpp>
-#include <cudawait/observe/trace.hpp>
-
-#include <cudawait/copy/detail/bulk_streams.hpp>
-#include <cudawait/copy/detail/copy_pieces.hpp>
-#include <cudawait/pipeline/detail/group.hpp>
-#include <cudawait/pipeline/detail/monitor.hpp>
-#include <cudawait/copy/detail/sm_copy.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -20,13 +20,12 @@
 // while the GPU may still touch its buffers (a level-2 timeout), never: those buffers move to
 // pipeline_core's abandoned ones, kept until the streams were synchronised.
 
+#include <cudawait/copy/detail/parallel_memcpy.hpp>
+#include <cudawait/core/scheduler.hpp>
 #include <cudawait/memory/pinned_buffer.hpp>
 #include <cudawait/memory/pinned_pool.hpp>
-#include <cudawait/core/scheduler.hpp>
 #include <cudawait/observe/timeline.hpp>
 #include <cudawait/observe/trace.hpp>
-
-#include <cudawait/copy/detail/parallel_memcpy.hpp>
 
 #include <chrono>
 #include <condition_variable>

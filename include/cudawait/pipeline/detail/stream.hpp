@@ -50,19 +50,18 @@
 // see the caller's spans. Runs are kept in a pool (m_flights) and reused once nothing refers to
 // them, so that their piece lists keep their capacity and a steady stream allocates no run.
 
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/memory/memory_kind.hpp>
-#include <cudawait/pipeline/options.hpp>
-#include <cudawait/pipeline/report.hpp>
+#include <cudawait/core/detail/wait_list.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
-#include <cudawait/observe/timeline.hpp>
 #include <cudawait/core/timeout.hpp>
+#include <cudawait/memory/memory_kind.hpp>
+#include <cudawait/observe/timeline.hpp>
 #include <cudawait/observe/trace.hpp>
-
 #include <cudawait/pipeline/detail/slots.hpp>
-#include <cudawait/core/detail/wait_list.hpp>
+#include <cudawait/pipeline/options.hpp>
+#include <cudawait/pipeline/report.hpp>
+#include <cudawait/runtime/error.hpp>
+#include <cudawait/runtime/event.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -6,10 +6,9 @@
 // recording a pooled event on it; event.hpp's owners and views, whose record() takes a
 // stream_ref, stay above stream.hpp. Include <cudawait/runtime/event.hpp>, which includes this.
 
+#include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
-
-#include <cudawait/runtime/detail/fork_guard.hpp>
 
 #include <atomic>
 #include <concepts>

@@ -7,9 +7,8 @@
 // does: a moved-from cudawait handle is null, and a null cudaStream_t names the legacy default
 // stream, so cudaStreamSynchronize(nullptr) would quietly wait for the wrong stream.
 
-#include <cudawait/runtime/error.hpp>
-
 #include <cudawait/runtime/detail/event_pool.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <source_location>
 
