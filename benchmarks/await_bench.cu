@@ -43,7 +43,7 @@
 //
 // All comparisons run in one process, on the same device, the same stream type (cudawait::stream,
 // non-blocking) and the same kernels. After the benchmarks main() prints a summary table with
-// the ratios. See benchmarks/README.md.
+// the ratios. See docs/benchmarks.md#await_bench.
 //
 // Every coroutine here is a free function in namespace `bench` and takes its state through
 // parameters: lambdas kept in a coroutine frame (or coroutines in an anonymous namespace) make
@@ -384,8 +384,8 @@ void BM_roundtrip_co_await_balanced(benchmark::State& state) {
 // from round to round) and measured together the first time any of the four benchmarks runs;
 // each benchmark then publishes its own runs. Measured one benchmark after the other, the same
 // code moved by 20% and more between neighbouring benchmarks on an H200, and the absolute rate
-// depended several-fold on what the process had done before (see README.md), so only runs
-// taken side by side give a ratio worth quoting.
+// depended several-fold on what the process had done before (docs/benchmarks.md#await_bench),
+// so only runs taken side by side give a ratio worth quoting.
 
 std::vector<cudawait::stream> make_streams() {
     std::vector<cudawait::stream> streams;
