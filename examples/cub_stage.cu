@@ -8,7 +8,9 @@
 // Exit status: 0 when every element matches the host's scan, 1 on a mismatch or an error, 2
 // without a GPU.
 
-#include <cudawait/cudawait.hpp>
+#include <cudawait/core.hpp>
+#include <cudawait/pipeline.hpp>
+#include <cudawait/runtime.hpp>
 
 #include <cstdint>
 #include <cstdio>

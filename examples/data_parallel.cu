@@ -27,8 +27,9 @@
 // enqueued in one nccl::group, as NCCL requires. NCCL_NVLS_ENABLE is forced to 0 here and in
 // the environment of the copies --spawn starts. Without a GPU the program exits with 2.
 
-#include <cudawait/cudawait.hpp>
-#include <cudawait/nccl/nccl.hpp>
+#include <cudawait/core.hpp>
+#include <cudawait/nccl.hpp>
+#include <cudawait/runtime.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,8 @@
 // hello_await: two coroutines, each on its own stream, await their kernels and copies without
 // blocking a thread; when_all joins them.
 
-#include <cudawait/cudawait.hpp>
+#include <cudawait/core.hpp>
+#include <cudawait/runtime.hpp>
 
 #include <cstdio>
 #include <string>

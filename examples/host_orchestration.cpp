@@ -3,7 +3,8 @@
 // kernel is in host_orchestration_kernels.cu. Eight chunks are processed on four streams by
 // detached coroutines in a scope; each copies in, runs saxpy, copies out and awaits its stream.
 
-#include <cudawait/cudawait.hpp>
+#include <cudawait/core.hpp>
+#include <cudawait/runtime.hpp>
 
 #include <cmath>
 #include <cstdio>

@@ -3,7 +3,10 @@
 // only when the GPU is done with it, and a copy from ordinary (pageable) memory that is staged
 // and overlapped instead of silently running at pageable speed.
 
-#include <cudawait/cudawait.hpp>
+#include <cudawait/copy.hpp>
+#include <cudawait/core.hpp>
+#include <cudawait/memory.hpp>
+#include <cudawait/runtime.hpp>
 
 #include <chrono>
 #include <cstdio>

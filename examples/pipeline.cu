@@ -5,7 +5,12 @@
 // as pipeline_trace.json (chrome://tracing, ui.perfetto.dev) and pipeline_timeline.svg (any
 // browser) into the working directory: the copies and the kernel overlapping, chunk by chunk.
 
-#include <cudawait/cudawait.hpp>
+#include <cudawait/copy.hpp>
+#include <cudawait/core.hpp>
+#include <cudawait/memory.hpp>
+#include <cudawait/observe.hpp>
+#include <cudawait/pipeline.hpp>
+#include <cudawait/runtime.hpp>
 
 #include <algorithm>
 #include <chrono>
