@@ -10,7 +10,7 @@
 // The default maps anonymous memory (transparent huge pages requested), touches its pages on
 // several threads and registers it with cudaHostRegister; where registration fails it falls back
 // to cudaHostAlloc. numa_pool.hpp has a source that places slabs on one NUMA node. See
-// docs/memory.md#slab-sources.
+// docs/memory.md#slab-sources-and-use-trackers.
 
 #include <cudawait/memory/literals.hpp>
 #include <cudawait/runtime/error.hpp>

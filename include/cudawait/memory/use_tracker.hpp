@@ -8,7 +8,7 @@
 //
 // How a pinned_pool observes that the GPU finished with a block (pinned_pool_options::tracker).
 // event_use_tracker, the default, records pooled CUDA events; tests substitute a host-controlled
-// tracker. See docs/memory.md#pinned-pool.
+// tracker. See docs/memory.md#slab-sources-and-use-trackers.
 
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>

@@ -389,7 +389,6 @@ inline task<communicator> init_rank_nonblocking(unique_id id, int nranks, int ra
     }
 }
 
-
 } // namespace detail
 
 inline task<communicator> communicator::init_rank_async(const unique_id& id, int nranks, int rank,

@@ -5,7 +5,8 @@
 //   catch (const nccl::error& e)         a failed NCCL call, an asynchronous NCCL error or a
 //                                        timed-out wait: e.result(), e.timed_out(), e.api()
 //
-// what() names the call, NCCL's result and NCCL's last error text. See docs/nccl.md#errors.
+// what() names the call, NCCL's result and NCCL's last error text. See
+// docs/nccl.md#errors-and-timeouts.
 
 #include <chrono>
 #include <cstdio>
