@@ -53,12 +53,12 @@ using cudawait::pool_exhausted;
 using cudawait::usage_error;
 using cudawait::use_token;
 
-using cudawait::testing::fake_stream;
-using cudawait::testing::host_pool;
-using cudawait::testing::timed_tracker;
 using cudawait::testing::all_equal;
+using cudawait::testing::fake_stream;
 using cudawait::testing::fill;
 using cudawait::testing::heap_round;
+using cudawait::testing::host_pool;
+using cudawait::testing::timed_tracker;
 
 class pinned_pool_gpu : public cudawait::testing::gpu_test {};
 
@@ -501,7 +501,6 @@ TEST_F(pinned_pool_gpu, churn_of_copies_and_coroutines_keeps_the_pool_small) {
     EXPECT_EQ(s.blocks_in_use, 0u);
     EXPECT_EQ(s.pending_bytes, 0u);
 }
-
 
 // Random allocate/free of 1 KiB..64 MiB (log-uniform) with live bytes held near 1 GiB: blocks
 // are disjoint (each carries its own stamp at both ends, checked when it is freed), large ones
