@@ -73,9 +73,9 @@ int main() {
         return 2;
     }
     try {
-        // Sized for this demo by the rule of thumb: stages x largest batch x 2.
+        // Sized for this demo: one slot staging 64 MiB in and 64 MiB out.
         cudawait::pinned_pool pool;
-        pool.reserve(cudawait::pinned_pool::size_for(1, 64_MiB));
+        pool.reserve(cudawait::pinned_pool::size_for(1, 64_MiB, 64_MiB));
         cudawait::scheduler sched;
         int rc = cudawait::sync_wait(sched, demo::run(pool));
         auto st = pool.stats();

@@ -4,47 +4,23 @@
 // Synopsis
 //   timeline tl;                          spans of what ran where, on one clock: nanoseconds
 //                                         of std::chrono::steady_clock since tl was made
-//   opt.timeline = &tl;                   a pipeline records into it (it then records timing
-//                                         events, as with opt.timing): per chunk its GPU spans
-//                                         "h2d", "compute" ("compute <i>" with several compute
-//                                         streams), "d2h" (a replayed graph: "graph <slot>",
-//                                         whole), and its host spans "stage-in", "stage-out",
-//                                         "wait" (the await of its completion), "fallback"
+//   opt.timeline = &tl;                   a pipeline records into it: per chunk its GPU spans
+//                                         ("h2d", "compute", "d2h" or "graph <slot>") and host
+//                                         spans ("stage-in", "stage-out", "wait", "fallback")
 //   tl.record(track, name, t0, t1, chunk) a host span from two steady_clock time points
 //   timeline_scope s(&tl, track, name);   a host span from here to the end of the scope (it
 //                                         may span co_await); a null timeline records nothing
 //   tl.anchor(device)                     pins the device's GPU clock to the host clock
 //   tl.record_gpu(device, track, name, start_event, end_event, chunk)
-//                                         a GPU span between two timing events that completed
-//                                         (co_await the end event first): work awaited
-//                                         outside a pipeline, on the same picture
+//                                         a GPU span between two completed timing events
 //   tl.spans()  tl.tracks()               the spans; the tracks, none with overlapping spans
 //   tl.write_chrome_trace(path | ostream) Chrome / Perfetto trace JSON
 //   tl.write_svg(path | ostream)          the same timeline as a plain SVG picture
 //
-// GPU times come from timing events, read when the work has completed (cudaEventElapsedTime
-// against an anchor event), so recording adds no synchronisation. An anchor is an event of the
-// device that anchor() records and waits for, its host time bracketed by the host clock (the
-// pipeline anchors when it is built). Elapsed times come in float milliseconds, whose step
-// grows with them (62.5 us ten minutes after an anchor), so a span is measured from an anchor
-// at most a few seconds old, taken anew when the last one is older. The new anchor continues
-// the old one's mapping (the spans of a stream measured from either still line up) as long as
-// that stays within its bracket; where the clocks drifted further, it takes the nearest end of
-// the bracket. GPU and host spans thus share the host clock to within an anchor's bracket (some
-// microseconds), in steps under a microsecond however old the timeline.
-//
-// Tracks: a GPU track is one stream, whose work never overlaps. Host spans can (two consumers
-// awaiting at once), and a complete event in a trace must not overlap another on its track, so
-// tracks() splits a track whose spans overlap into lanes: "wait", "wait #2", ... Both exports
-// use tracks(): GPU tracks first (process "GPU"), then host tracks (process "host"), each in
-// order of first appearance. The trace has one "X" event per span (ts and dur in whole
-// microseconds from the earliest span, rounded so that spans which did not overlap still do not),
-// thread_name metadata per track, and is written with detail::json_writer, so it is valid JSON
-// for chrome://tracing and ui.perfetto.dev. The SVG has one row per track, one rect (class
-// "span", with a tooltip) per span, a time axis and a legend, and needs nothing to view but a
-// browser.
-//
-// Thread-safe: spans may be recorded from any thread.
+// GPU times come from timing events read once the work completed, measured from an anchor event
+// at most a few seconds old, so recording adds no synchronisation and GPU and host spans share
+// the host clock to within some microseconds. tracks() splits a host track whose spans overlap
+// into lanes ("wait", "wait #2", ...). Thread-safe. See docs/observe.md#timeline.
 
 #include <cudawait/observe/detail/json.hpp>
 #include <cudawait/runtime/device.hpp>

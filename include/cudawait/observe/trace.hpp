@@ -8,25 +8,14 @@
 //   trace_async_range w("wait", chunk); an NVTX start/end range: may span co_await, and may end
 //                                       on another thread than it started on
 //
-// A push/pop range belongs to its thread's stack: a pop closes whatever range the thread pushed
-// last. Held across a suspension, a trace_range would be closed by the pop of another coroutine
-// that ran on the thread meanwhile, and a profiler would show both mis-nested. So a range that
-// spans a co_await is a trace_async_range, which ends by the id its start returned; trace_range
-// is for the synchronous stretches between suspensions, where it nests with the ranges around
-// it on the thread's timeline.
+// A push/pop range held across a suspension would be closed by the pop of another coroutine
+// that ran on the thread meanwhile: a range that spans a co_await is a trace_async_range.
+// Without a profiler attached a range costs a call that returns at once; nothing is formatted.
 //
-// NVTX3 is header-only; without a profiler (Nsight Systems) attached a range costs a call that
-// returns at once, and nothing is formatted: the index travels as the payload, so the pipeline's
-// per-chunk path pays no string work.
-//
-// CUDAWAIT_DISABLE_NVTX may differ between the files of one program: no type and no inline
-// function here depends on it, since the linker keeps one copy of each for every file (the
-// pipeline's templates that hold ranges included). A range reaches NVTX through
-// detail::g_trace_calls, which every file that includes this header with NVTX (the macro not
-// defined, the NVTX3 headers on the include path) points at NVTX as the program starts. A file
-// that defines the macro does not include NVTX: its ranges, like the library's, are traced as
-// long as another file of the program includes NVTX; where none does, a range costs a load and
-// a branch.
+// CUDAWAIT_DISABLE_NVTX may differ between the files of one program: it only keeps NVTX out of
+// the file, and no type, layout or inline function here depends on it. A range reaches NVTX
+// through detail::g_trace_calls, which every file that includes NVTX sets as the program starts.
+// See docs/observe.md#cudawait_disable_nvtx.
 
 #include <atomic>
 #include <cstddef>

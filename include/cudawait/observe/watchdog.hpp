@@ -7,32 +7,12 @@
 //   class watchdog;           `watchdog wd(sched, {.window = 2s, .on_stall = report});`
 //
 // A device stalls when awaits are pending on its streams and, for the whole window, none of the
-// scheduler's stream awaits on it completed and (with the heartbeat on) its heartbeat did not
-// beat. The check runs from the scheduler's own loop, on a timer every window / 32, so no other
-// thread touches the scheduler and a completion costs one counter increment. A stall is
-// reported once; the watchdog re-arms once the device makes progress or no await is pending on it.
-//
-// The heartbeat: per watched device a non-blocking, lowest-priority stream on which a one-thread
-// kernel increments a mapped counter. It is launched only at a check that saw no completion on
-// the device since the last one, and again at each such check once the last one finished, so a
-// device whose awaits keep completing never runs it (and pays nothing for it). It runs on
-// any free SM, so a long kernel that leaves SMs free keeps it beating: the context is alive and
-// nothing is reported. What no watchdog can tell apart: a kernel that holds every SM for longer
-// than the window, leaving no room for the heartbeat's one thread, looks exactly like a hung
-// context, and is reported. (Whether a kernel leaves room depends on its blocks' registers,
-// shared memory and thread slots; on an H200 a kernel sized by the occupancy API to fill every
-// thread slot still let the heartbeat run, so such a kernel was not reported.) Without the
-// heartbeat, any kernel that runs longer than the window while awaited is reported.
-//
-// With fail_awaits, the stalled device's awaits throw stall_error. Nothing is cancelled: the
-// events the scheduler recorded stay queued until the GPU completes them, and the heartbeat's
-// stream and event live until its last kernel finished. Memory the stalled work uses is the
-// caller's to keep alive. Awaits on user events (`co_await event`) belong to no known device:
-// they are neither watched nor failed.
-//
-// Construct, use and destroy a watchdog on the scheduler's thread or while nobody drives it.
-// The heartbeat kernel is loaded from PTX through the runtime's driver entry points (CUDA 12.5
-// or newer), so this header needs neither nvcc nor linking the driver library.
+// scheduler's stream awaits on it completed and (with the heartbeat on) its heartbeat, a
+// one-thread kernel on a lowest-priority stream, did not beat either. The check runs on the
+// scheduler's loop; a stall is reported once. A kernel that hangs on a few SMs leaves room for
+// the heartbeat and is not reported: bound such waits with with_timeout. With fail_awaits the
+// device's awaits throw stall_error; nothing is cancelled. Construct, use and destroy a watchdog
+// on the scheduler's thread or while nobody drives it. See docs/observe.md#watchdog.
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>

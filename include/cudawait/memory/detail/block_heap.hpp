@@ -1,18 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Bookkeeping behind pinned_pool, free of CUDA so that it is tested on machines without a GPU.
-//
-//   block_heap<Extra>  a two-level segregated-fit allocator over address ranges ("regions"):
-//                      O(1) allocate and free, immediate coalescing with both neighbours, blocks
-//                      split to the request's size (256-byte granules, no power-of-two rounding);
-//                      regions belong to one of arena_count arenas, each with its own free
-//                      lists, so that an owner can keep kinds of blocks apart
-//   ptr_map<V>         an open-addressing map from a block's address to V; no allocation once
-//                      it has grown to the working set, so the pool's hit path makes no syscall
-//
-// The heap never touches the memory it manages: descriptors live beside it, so the GPU can write
-// any byte of a block without corrupting the allocator.
+// Bookkeeping behind pinned_pool, free of CUDA so that it is tested without a GPU: block_heap
+// (a two-level segregated-fit allocator over address ranges) and ptr_map (address -> value).
 
 #include <bit>
 #include <cassert>
@@ -24,6 +14,7 @@
 namespace cudawait::detail {
 
 /// A map from non-null addresses to V with linear probing and backward-shift deletion.
+/// No allocation once it has grown to the working set, so the pool's hit path makes no syscall.
 template <class V>
 class ptr_map {
 public:
@@ -126,6 +117,12 @@ private:
 };
 
 /// Two-level segregated fit over caller-supplied address ranges.
+///
+/// O(1) allocate and free, immediate coalescing with both neighbours, blocks split to the
+/// request's size (256-byte granules, no power-of-two rounding); regions belong to one of
+/// arena_count arenas, each with its own free lists, so that an owner can keep kinds of blocks
+/// apart. The heap never touches the memory it manages: descriptors live beside it, so the GPU
+/// can write any byte of a block without corrupting the allocator.
 ///
 /// `Extra` is per-block state the owner keeps beside the heap's own (requested size, pending
 /// uses); it is value-initialised whenever a descriptor is reused.

@@ -1,19 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// NUMA placement of host memory, without libnuma (a system call and a few sysfs files):
-//   numa_node_count(root)          nodes under /sys/devices/system/node (1 when unknown)
-//   numa_node_exists(node, root)   whether a node id names a node of this machine
-//   pci_numa_node(bus_id, root)    a PCI device's node from sysfs, -1 when unknown
-//   device_numa_node(dev)          the host node nearest a CUDA device, -1 when unknown
-//   bind_to_node(p, bytes, node, mode)   mbind: pages faulted in later land on `node`
-//   page_numa_node(p)              the node holding the (faulted) page at p: get_mempolicy
-//   fault_in(p, bytes)             first touch of every page, on several threads
-// `root` is empty for the real files; tests point it at a fake tree. The functions are templates
-// (called with their default argument) so that only a translation unit that calls them
-// instantiates the containers, threads and parsing they use. The mbind and
-// get_mempolicy constants are defined here because <numaif.h> comes with libnuma's headers,
-// which the library must not need.
+// NUMA placement of host memory without libnuma (the mbind and get_mempolicy system calls,
+// a few sysfs files): node counts, a device's node, binding and first touch. `root` is empty for
+// the real files; tests point it at a fake tree.
 
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
@@ -42,7 +32,18 @@
 
 namespace cudawait::detail {
 
-/// mbind / get_mempolicy modes and flags, as in the kernel's uapi/linux/mempolicy.h.
+// numa_node_count(root)          nodes under /sys/devices/system/node (1 when unknown)
+// numa_node_exists(node, root)   whether a node id names a node of this machine
+// pci_numa_node(bus_id, root)    a PCI device's node from sysfs, -1 when unknown
+// device_numa_node(dev)          the host node nearest a CUDA device, -1 when unknown
+// bind_to_node(p, bytes, node, mode)   mbind: pages faulted in later land on `node`
+// page_numa_node(p)              the node holding the (faulted) page at p: get_mempolicy
+// fault_in(p, bytes)             first touch of every page, on several threads
+// The functions are templates (called with their default argument) so that only a translation
+// unit that calls them instantiates the containers, threads and parsing they use.
+
+/// mbind / get_mempolicy modes and flags, as in the kernel's uapi/linux/mempolicy.h (defined
+/// here because <numaif.h> comes with libnuma's headers, which the library must not need).
 inline constexpr int mpol_preferred = 1;
 inline constexpr int mpol_bind = 2;
 inline constexpr unsigned long mpol_f_node = 1UL << 0;

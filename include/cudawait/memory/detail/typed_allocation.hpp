@@ -1,19 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// detail::typed_allocation<T, Release>: what pinned_buffer, device_buffer and mapped_buffer share,
-// written once: `count` elements at one pointer, owned (move-only), handed to `Release` when the
-// owner is destroyed or reset, and the accessors. Each buffer adds only how it allocates and its
-// extras. `Release` is a small copyable policy:
-//
-//   struct Release {
-//       static constexpr const char* name = "x_buffer";  // for the error messages
-//       void operator()(void* data) const noexcept;       // frees; must not throw
-//       ...                                               // what the buffer needs beside the
-//   };                                                    // pointer: its pool, its stream
-//
-// A move copies the policy and empties the source: the policy is only ever used together with a
-// pointer, so a moved-from buffer's copy is inert (device_buffer keeps answering stream()).
+// detail::typed_allocation<T, Release>: what pinned_buffer, device_buffer and mapped_buffer
+// share, written once: an owned pointer to `count` elements, its release policy, the accessors.
 
 #include <cudawait/runtime/error.hpp>
 
@@ -26,6 +15,17 @@ namespace cudawait::detail {
 
 /// `count` elements of T at one pointer, owned, freed by `Release`. Empty when default
 /// constructed, moved from or reset: then every accessor that would expose the pointer throws.
+///
+/// Each buffer adds only how it allocates and its extras. `Release` is a small copyable policy:
+///
+///   struct Release {
+///       static constexpr const char* name = "x_buffer";  // for the error messages
+///       void operator()(void* data) const noexcept;       // frees; must not throw
+///       ...                                               // what the buffer needs beside the
+///   };                                                    // pointer: its pool, its stream
+///
+/// A move copies the policy and empties the source: the policy is only ever used together with a
+/// pointer, so a moved-from buffer's copy is inert (device_buffer keeps answering stream()).
 template <class T, class Release>
 class typed_allocation {
 public:
