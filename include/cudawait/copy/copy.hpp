@@ -3,7 +3,7 @@
 
 // Synopsis
 //   co_await copy(dst, src, stream);       inside a task: resumes once the bytes are in place
-//   copy_async(dst, src, stream);          enqueue only (see below for pageable memory)
+//   copy_async(dst, src, stream);          enqueue only
 //   co_await copy(dst, src);               on a copy lane of the device (copy_lane.hpp): the
 //                                          small lane up to options.small_bytes, else the bulk
 //   co_await copy(dst, src, lane::small);  on the named lane, whatever the size
@@ -11,62 +11,12 @@
 //   co_await copy(dst, src, o);                   memory made by the SMs, not a copy engine
 //   o.busy_sm_copy_bytes = 0;                     small-lane D2H copies by a copy engine even
 //                                                 beside bulk D2H work (default 64 KiB: the SMs)
-//   (memory_kind and classify live in memory_kind.hpp)
 //
-// `dst` and `src` are contiguous ranges of one trivially copyable type: std::span, std::vector,
-// pinned_buffer, device_buffer, mapped_buffer, managed_buffer, or a type of your own. The direction
-// follows from where the memory lives: a range type that states it (`static constexpr memory_kind
-// memory`, memory_kind.hpp; the library's buffers do) is believed, any other is classified by the
-// driver. Pool memory (a range with a pool() such as pinned_buffer, or any pointer into the staging
-// pool) is marked with record_use, so freeing it right after the call is safe.
-//
-// Managed memory (managed_buffer.hpp, or any cudaMallocManaged range) is copied directly with
-// cudaMemcpyAsync and cudaMemcpyDefault, whatever the other side: never staged.
-//
-// Pageable host memory is never handed to cudaMemcpyAsync together with device memory, which
-// would copy it synchronously through the driver's small staging buffers. It is staged through a
-// ring of page-locked chunks from the pool instead; the host memcpy (on several threads) of one
-// chunk overlaps the DMA of the previous one. With pageable memory on one side:
-//   - host to device: copy_async returns once the source has been read (it may be reused);
-//     the DMA of the last chunks is still running, in stream order;
-//   - device to host: copy_async returns once the destination is written, like
-//     cudaMemcpyAsync with pageable memory, but overlapped and several times faster;
-//   - co_await copy(...) waits without blocking the scheduler, except for the host memcpy of
-//     each chunk, which runs on the scheduler's thread with the helpers.
-//
-// Device memory of two different devices (the device ids come from cudaPointerGetAttributes) is
-// copied with cudaMemcpyPeerAsync, after enable_peer_access (device.hpp) in both directions
-// where the pair supports it: once per pair for the process, and without it the driver stages
-// the copy through host memory. `s` may belong to the source device, the destination device or
-// any other: cudaMemcpyPeerAsync works whatever the current device is, and the copy is ordered
-// in `s` only, so the choice is whichever stream already orders the work around the copy (the
-// producer's, as a rule); work of the other device must be ordered by the caller (an event).
-// Device memory of one device is copied with cudaMemcpyAsync, as before.
-//
-// Copies on a lane (no stream argument) go on the lanes of the device whose memory they touch
-// (the destination's where both sides are device memory; the current device where neither
-// is): on its h2d stream where the destination is device or managed memory, else on its d2h
-// stream. They are ordered with that lane's earlier copies only (copy_lane.hpp says what that
-// asks of the caller). A small pageable copy goes through one pinned block of its own size from
-// the pool, so the scheduler's thread never waits for the DMA.
-//
-// A copy engine takes its queue in order, so a small device-to-host copy can wait for a bulk
-// chunk already queued there (1.2 ms beside a pipeline's 64 MiB chunks on an H200). So by
-// default a small-lane copy from device memory into page-locked host memory (the pool,
-// cudaHostAlloc, a host_registration) of at most options.busy_sm_copy_bytes (64 KiB) is made by
-// a small kernel on the lane's stream (detail/sm_copy.hpp: the SMs load and store the bytes over
-// the link) while one of the library's bulk D2H streams of the device has work pending (a
-// pipeline's, the bulk lane's: detail/bulk_streams.hpp), and by a copy engine, a few
-// microseconds faster, when they are idle. The choice is made when the copy is awaited. With
-// options.sm_copy_bytes set, every small-lane copy of at most that many bytes between device
-// memory and page-locked host memory, either way, is made by the kernel. It is loaded once per
-// process and device from PTX text (no nvcc needed in the user's build) when a pipeline is made,
-// before the bulk lane's first D2H copy, else before the first copy it makes (loading waits for
-// the device's running work; the lanes themselves load nothing); where it cannot be (a GPU or
-// driver the PTX does not suit), a copy engine makes those copies too. Other copies are
-// unaffected. A small-lane copy with pageable memory on one side (a std::vector) is chosen the
-// same way for its pinned block: the SMs copy between the device and the block, and a host
-// memcpy between the block and the vector.
+// `dst` and `src` are contiguous ranges of one trivially copyable type (spans, vectors, the
+// library's buffers, your own); the direction follows from where their memory lives
+// (memory_kind.hpp), and pool memory is marked with record_use. Pageable host memory is staged
+// through a ring of pinned chunks, managed memory copied directly, device memory of two devices
+// peer to peer. The manual: docs/copy.md.
 
 #include <cudawait/copy/copy_lane.hpp>
 #include <cudawait/copy/detail/bulk_streams.hpp>
@@ -504,8 +454,9 @@ struct copy_fn {
 // Both are function objects, so an unqualified call never also finds std::copy through
 // argument-dependent lookup (a std::vector argument would make `copy(a, b, s)` ambiguous).
 
-/// `copy_async(dst, src, s, options = {})` enqueues a copy of `src` into `dst` on `s`. See the
-/// header's synopsis for pageable memory.
+/// `copy_async(dst, src, s, options = {})` enqueues a copy of `src` into `dst` on `s`. With
+/// pageable memory it returns once that side was read or written
+/// (docs/copy.md#copy-and-copy_async).
 /// @throws usage_error for sizes that differ, zero elements, null data or overlapping ranges;
 ///         cuda_error
 inline constexpr detail::copy_async_fn copy_async{};

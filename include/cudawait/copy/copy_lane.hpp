@@ -14,36 +14,10 @@
 //                                         is: small up to copy_options::small_bytes, else bulk
 //   co_await copy(dst, src, lane::small); on the small lane, whatever the size
 //
-// Why. A stream is a queue: a 4 KiB parameter upload enqueued behind a 64 MiB chunk on the same
-// stream waits for the chunk (about 1.3 ms at 48 GB/s), ten thousand times its own time. On a
-// stream of its own, the driver can hand it to another copy engine (an H200 has three) or
-// schedule it between the pieces of the chunk. The small lane is that stream, one per direction
-// and device, shared by every coroutine that makes small copies: control traffic (parameters,
-// flags, counters, a result's header) never queues behind bulk data, only behind other small
-// copies. benchmarks/lane_bench.cu measures how long it takes while a pipeline keeps both
-// directions busy, side by side with the alternatives (a plain stream, a high-priority one, the
-// pipeline's copies split into pieces: pipeline_options::copy_piece_bytes). On the measured
-// H200 a small D2H copy made by a copy engine, on any stream or priority, could wait for the bulk
-// D2H chunk already queued on the same engine, with the chunks in pieces or not. So while one of
-// the library's bulk D2H streams is busy, the lane's small D2H copies are made by the SMs
-// (copy.hpp: copy_options::busy_sm_copy_bytes). Every small copy beside a saturated link still
-// takes longer than on an idle one, its bytes queued behind the bulk's. The figures are in
-// benchmarks/README.md (lane_bench) and README.md's Measured section. The lanes register their
-// bulk D2H stream (detail/bulk_streams.hpp); the SM copy kernel is loaded on the device before the
-// bulk lane's first D2H copy (detail/sm_copy.hpp says why). Making the lanes loads no kernel:
-// loading one waits for the device's running work, and so would never end beside a kernel that
-// waits for a flag the small lane is to copy.
-//
-// Ordering. A copy on a lane is ordered with the lane's earlier copies only, not with the
-// caller's streams: the data must be ready when the copy is made (await the stream of the
-// kernel that wrote a device source first), and work that reads the destination must wait for
-// the awaited copy (it has completed when co_await copy(...) resumes).
-//
-// Lifetime. The streams live as long as the process: they are never destroyed (a static
-// destructor may run after the CUDA driver has gone), and they are not counted by
-// stream::live_count(). cudaDeviceReset destroys them behind the library's back; do not use the
-// lanes after it. In a child process made by fork() after the parent used the lanes,
-// for_device throws usage_error (CUDA state is not inherited; detail/fork_guard.hpp).
+// The small lane keeps control traffic (parameters, flags, a result's header) from queueing
+// behind bulk chunks. A copy on a lane is ordered with the lane's earlier copies only: make its
+// source ready first. The streams live as long as the process (never destroyed; not after
+// cudaDeviceReset; not in a forked child). Why, and what it costs: docs/copy.md#copy-lanes.
 
 #include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/runtime/detail/fork_guard.hpp>
@@ -96,7 +70,7 @@ enum class copy_direction {
 
 /// One device's transfer streams: a small and a bulk lane, each with one stream per direction,
 /// all non-blocking; the small lane's at the device's highest priority. Made on the device's
-/// first for_device() and kept for the process (see the header's synopsis).
+/// first for_device() and kept for the process (docs/copy.md#copy-lanes).
 class copy_lanes {
 public:
     /// The lanes of `dev`, made on first use (thread-safe; later calls take a mutex and return).

@@ -11,64 +11,12 @@
 //   mp.close();   co_await mp.acquire(50ms);  co_await mp.next(deadline);   // as pipeline's
 //   mp.stats()    per_shard, combined, rescued_chunks, shard_devices
 //
-// What runs where. The pipeline is split into shards, each a pipeline<In, Out> of its own (its
-// streams, slots, device buffers, pinned staging, monitoring) built with the same stages. There are
-// devices x shards_per_device of them; shard i runs on devices[i % devices.size()], so consecutive
-// shards are on different devices (several shards on one device run side by side on it, which is
-// how the design is tested with one GPU). Device ids are CUDA's (as in cudaSetDevice, under
-// CUDA_VISIBLE_DEVICES); each is listed once; one that names no visible device is a cuda_error
-// (cudaErrorInvalidDevice) from device_ref. per_shard.device is set per shard. Each stage is called
-// with its shard's device current, which its stage_context names; stage_context::chunk is the
-// chunk's index within its shard's run (batch) or the shard's submission index (streaming). Staging
-// and streaming slots come from per_shard.pool, or else staging_pool_for_device(device), device
-// buffers from device_resource_for(device), or else per_shard.device_resource
-// (detail/multi_pool.hpp). With several shards, report_path gets ".shard<i>" appended.
-//
-// One scheduler thread drives every shard and polls every device's events. Not thread-safe.
-//
-// Batch. run(in, out) splits the input at chunk boundaries into one contiguous part per shard,
-// with equal chunk counts (the first n % shards parts one chunk more; the last part holds a
-// short last chunk), and runs the parts at once; each shard writes its own part of `out`, so
-// the output is in input order. With one shard it is that shard's run. Errors as pipeline::run:
-// usage_error for empty or mis-sized ranges, device memory, or while a streaming session is
-// open; pipeline_error, once every part finished, naming the failed chunks by their index in
-// the whole input; what the fallback or a callback throws, once every part finished.
-//
-// Streaming. acquire() takes a slot from the next shard in round-robin order (from shard 0 in
-// each session) whose GPU is not abandoned (pipeline_stats::gpu_abandoned; when every one is,
-// the next one: its chunks go to the rescue and the fallback); the slot remembers its shard,
-// and submit() starts it there. acquire() waits for that shard's slot (another shard's free
-// one is not taken instead), so a slow shard slows the stream as in one pipeline.
-// next() returns the chunks in global submission order (result::chunk()), awaiting the next()
-// of the shard each went to. close() closes every shard; the session ends when next() returned
-// the end. As in pipeline, nothing is taken (acquire) or consumed (next) when timeout_error (or
-// what on_degrade throws while waiting) is thrown: the chunk stays first in line. run() during
-// a session, and acquire() during a batch, are usage_errors.
-//
-// Rescue instead of losing a device. Each shard's fallback is a rescue: when a shard gives a
-// chunk up (level 2: a sticky error, the GPU abandoned, or retries exhausted; not a chunk that
-// timed out past max_retries, whose copy may still land: that one fails, as in pipeline), the
-// chunk runs synchronously through the stages on another shard whose GPU is not abandoned,
-// taken round-robin among them: on that shard's device, on a stream and one chunk's device
-// buffers of its own (made on its first rescue, scratch_bytes of scratch as the slots'), copy
-// in, the stages (stage_context: slot 0, the rescuing device, the origin shard's chunk index),
-// copy out, synchronise, check. If that fails too, or no such shard exists, the user's
-// fallback computes it (with the chunk's global index); without one the chunk fails: the batch
-// ends with pipeline_error naming it, and next() throws pipeline_error for it in its turn (its
-// output is not written). A sticky error abandons every shard of its device for rescues. Every
-// chunk is produced once (by a GPU or the fallback) or reported failed. A rescue blocks the
-// scheduler thread for one chunk, as a host fallback does.
-//
-// Stats. per_shard: each shard's own stats; a chunk of its that another shard rescued counts there
-// as a fallback chunk, with its bytes: every chunk a GPU produced has its bytes counted once, on
-// its own shard (the user's fallback's none, as in pipeline). combined: the counters summed
-// (chunks, bytes, retries, stage times, depth, alerts), a rescued chunk counted as a GPU chunk and
-// one that failed its rescue without a fallback as failed; wall_seconds is the multi run's own (a
-// streaming session's: from its first acquire to now or its end), throughput over it; the copy
-// rates are one link's average (the bytes the shards' copy stages moved over the summed stage
-// times) and link_peak_gbps the lowest shard's; latency percentiles are the highest of the shards'
-// (the union's nearest-rank percentile lies between the shards' lowest and highest; exact with one
-// shard), samples summed, max the maximum; gpu_abandoned when every shard's is.
+// Data parallel over several GPUs: a pipeline<In, Out> per shard (devices x shards_per_device,
+// shard i on devices[i % devices.size()]), all driven from one scheduler thread. A batch is cut
+// into one part per shard, the output in input order; streaming deals slots round-robin over
+// the healthy shards and delivers in global submission order; a chunk a shard gives up is
+// rescued on another shard's GPU, else by the fallback. Not thread-safe. The manual:
+// docs/pipeline.md#multi_pipeline.
 
 #include <cudawait/core/detail/wait_list.hpp>
 #include <cudawait/core/scheduler.hpp>
@@ -114,11 +62,108 @@ struct multi_pipeline_options {
 
 /// What a multi_pipeline's last batch run (or its streaming session so far) achieved.
 struct multi_pipeline_stats {
-    std::vector<pipeline_stats> per_shard; ///< each shard's own stats, by shard index (synopsis)
-    pipeline_stats combined;               ///< the shards as one (see the synopsis for how)
+    std::vector<pipeline_stats> per_shard; ///< each shard's own stats, by shard index
+    pipeline_stats combined;               ///< the shards as one (docs/pipeline.md#multi_pipeline)
     std::size_t rescued_chunks = 0;        ///< chunks another shard's GPU produced
     std::vector<int> shard_devices;        ///< the device of each shard
 };
+
+template <class In, class Out = In>
+class multi_pipeline;
+
+namespace detail {
+
+/// multi_pipeline<In, Out>::input_slot: a slot the producer fills before submit(), on the shard
+/// acquire() chose; given back unused if dropped.
+template <class In, class Out>
+class multi_input_slot {
+public:
+    multi_input_slot() = default;
+    /// The slot's pinned input: chunk_elements elements.
+    /// @throws usage_error when empty or already submitted
+    [[nodiscard]] std::span<In> data() const { return m_slot.data(); }
+    /// The shard the slot belongs to.
+    [[nodiscard]] std::size_t shard() const noexcept { return m_shard; }
+
+private:
+    friend class cudawait::multi_pipeline<In, Out>;
+    multi_input_slot(typename pipeline<In, Out>::input_slot s, std::size_t shard)
+        : m_slot(std::move(s)), m_shard(shard) {}
+    typename pipeline<In, Out>::input_slot m_slot;
+    std::size_t m_shard = 0;
+};
+
+/// multi_pipeline<In, Out>::result: a chunk's output, in global submission order; its shard's slot
+/// is reused once this is destroyed.
+template <class In, class Out>
+class multi_result {
+public:
+    multi_result(multi_result&&) noexcept = default;
+    multi_result& operator=(multi_result&&) = delete;
+    [[nodiscard]] std::span<const Out> data() const { return m_result.data(); }
+    /// Global submission index.
+    [[nodiscard]] std::size_t chunk() const noexcept { return m_chunk; }
+    /// The shard it was submitted to.
+    [[nodiscard]] std::size_t shard() const noexcept { return m_shard; }
+    /// Another shard's GPU produced it (a rescue).
+    [[nodiscard]] bool rescued() const noexcept { return m_rescued; }
+    /// The user's fallback produced it.
+    [[nodiscard]] bool by_fallback() const noexcept { return m_by_fallback; }
+
+private:
+    friend class cudawait::multi_pipeline<In, Out>;
+    multi_result(typename pipeline<In, Out>::result r, std::size_t chunk, std::size_t shard,
+                 bool rescued)
+        : m_result(std::move(r)), m_chunk(chunk), m_shard(shard), m_rescued(rescued),
+          m_by_fallback(m_result.by_fallback() && !rescued) {}
+    typename pipeline<In, Out>::result m_result;
+    std::size_t m_chunk;
+    std::size_t m_shard;
+    bool m_rescued;
+    bool m_by_fallback;
+};
+
+/// `o` checked before any CUDA call: usage_error for what multi_pipeline() refuses up front.
+template <class Stage>
+multi_pipeline_options checked_multi_options(multi_pipeline_options o,
+                                             const std::vector<Stage>& stages) {
+    if (stages.empty() ||
+        std::any_of(stages.begin(), stages.end(), [](const Stage& s) { return !s; })) {
+        throw usage_error("multi_pipeline: at least one stage, and no empty ones");
+    }
+    if (o.shards_per_device == 0) {
+        throw usage_error("multi_pipeline: shards_per_device must be at least 1");
+    }
+    const pipeline_options& p = o.per_shard;
+    if (p.chunk_elements == 0 || p.depth == 0 || p.compute_streams == 0) {
+        throw usage_error(
+            "multi_pipeline: chunk_elements, depth and compute_streams must be non-zero");
+    }
+    std::vector<int> sorted = o.devices;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+        throw usage_error("multi_pipeline: a device is listed twice (shards_per_device puts "
+                          "several shards on one device)");
+    }
+    return o;
+}
+
+/// now + timeout; usage_error for a negative one (a bug, not a poll).
+inline std::chrono::steady_clock::time_point multi_deadline_after(std::chrono::nanoseconds timeout,
+                                                                  const char* call) {
+    if (timeout.count() < 0) {
+        throw usage_error(std::string("multi_pipeline::") + call + ": negative timeout");
+    }
+    return std::chrono::steady_clock::now() + timeout;
+}
+/// What is left until `deadline`, at least zero.
+inline std::chrono::nanoseconds multi_time_left(std::chrono::steady_clock::time_point deadline) {
+    auto left = deadline - std::chrono::steady_clock::now();
+    return std::max(std::chrono::nanoseconds(0),
+                    std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+}
+
+} // namespace detail
 
 /// One pipeline over several GPUs: a pipeline<In, Out> per shard, batches split over the
 /// shards, streams dealt round-robin and delivered in order, and a chunk a shard gives up
@@ -126,64 +171,20 @@ struct multi_pipeline_stats {
 ///
 /// Not thread-safe: drive it from one scheduler's coroutines. Destruction waits for the GPU
 /// work in flight.
-template <class In, class Out = In>
+template <class In, class Out>
 class multi_pipeline {
     using shard_pipeline = pipeline<In, Out>;
     using clock = std::chrono::steady_clock;
 
 public:
-    /// As pipeline's (pipeline_stage.hpp).
+    /// As pipeline's (pipeline/stage.hpp).
     using stage = typename shard_pipeline::stage;
     /// Computes chunk `chunk` (its global index) on the host when no GPU could.
     using fallback = typename shard_pipeline::fallback;
-
-    /// A slot the producer fills before submit(), on the shard acquire() chose; given back
-    /// unused if dropped.
-    class input_slot {
-    public:
-        input_slot() = default;
-        /// The slot's pinned input: chunk_elements elements.
-        /// @throws usage_error when empty or already submitted
-        [[nodiscard]] std::span<In> data() const { return m_slot.data(); }
-        /// The shard the slot belongs to.
-        [[nodiscard]] std::size_t shard() const noexcept { return m_shard; }
-
-    private:
-        friend class multi_pipeline;
-        input_slot(typename shard_pipeline::input_slot s, std::size_t shard)
-            : m_slot(std::move(s)), m_shard(shard) {}
-        typename shard_pipeline::input_slot m_slot;
-        std::size_t m_shard = 0;
-    };
-
-    /// A chunk's output, in global submission order; its shard's slot is reused once this is
-    /// destroyed.
-    class result {
-    public:
-        result(result&&) noexcept = default;
-        result& operator=(result&&) = delete;
-        [[nodiscard]] std::span<const Out> data() const { return m_result.data(); }
-        /// Global submission index.
-        [[nodiscard]] std::size_t chunk() const noexcept { return m_chunk; }
-        /// The shard it was submitted to.
-        [[nodiscard]] std::size_t shard() const noexcept { return m_shard; }
-        /// Another shard's GPU produced it (a rescue).
-        [[nodiscard]] bool rescued() const noexcept { return m_rescued; }
-        /// The user's fallback produced it.
-        [[nodiscard]] bool by_fallback() const noexcept { return m_by_fallback; }
-
-    private:
-        friend class multi_pipeline;
-        result(typename shard_pipeline::result r, std::size_t chunk, std::size_t shard,
-               bool rescued)
-            : m_result(std::move(r)), m_chunk(chunk), m_shard(shard), m_rescued(rescued),
-              m_by_fallback(m_result.by_fallback() && !rescued) {}
-        typename shard_pipeline::result m_result;
-        std::size_t m_chunk;
-        std::size_t m_shard;
-        bool m_rescued;
-        bool m_by_fallback;
-    };
+    /// A slot the producer fills before submit(), on the shard acquire() chose.
+    using input_slot = detail::multi_input_slot<In, Out>;
+    /// A chunk's output, in global submission order.
+    using result = detail::multi_result<In, Out>;
 
     /// @throws usage_error for no stages or an empty one, shards_per_device 0, a zero chunk
     ///         size, depth or stream count, a device listed twice (before any CUDA call), a
@@ -191,8 +192,8 @@ public:
     ///         cudaErrorInvalidDevice for a device id no visible device has; as pipeline()
     multi_pipeline(multi_pipeline_options options, std::vector<stage> stages,
                    fallback on_gpu_failure = {})
-        : m_options(checked(std::move(options), stages)), m_stages(std::move(stages)),
-          m_user_fallback(std::move(on_gpu_failure)) {
+        : m_options(detail::checked_multi_options(std::move(options), stages)),
+          m_stages(std::move(stages)), m_user_fallback(std::move(on_gpu_failure)) {
         if (m_options.devices.empty()) {
             const int n = device_count();
             for (int d = 0; d < n; ++d) {
@@ -296,11 +297,11 @@ public:
     /// @throws usage_error for a negative timeout (at the call) and as acquire();
     ///         timeout_error (after() == timeout) once it passed
     [[nodiscard]] task<input_slot> acquire(std::chrono::nanoseconds timeout) {
-        return acquire_on(deadline_after(timeout, "acquire"), timeout);
+        return acquire_on(detail::multi_deadline_after(timeout, "acquire"), timeout);
     }
     /// acquire() that gives up at `deadline`; one already passed polls.
     [[nodiscard]] task<input_slot> acquire(clock::time_point deadline) {
-        return acquire_on(deadline, time_left(deadline));
+        return acquire_on(deadline, detail::multi_time_left(deadline));
     }
 
     /// Starts the slot's chunk of `count` elements on its shard.
@@ -342,11 +343,11 @@ public:
     /// @throws usage_error for a negative timeout (at the call); timeout_error (after() ==
     ///         timeout) once it passed; as next()
     [[nodiscard]] task<std::optional<result>> next(std::chrono::nanoseconds timeout) {
-        return next_on(deadline_after(timeout, "next"), timeout);
+        return next_on(detail::multi_deadline_after(timeout, "next"), timeout);
     }
     /// next() that gives up at `deadline`; one already passed polls.
     [[nodiscard]] task<std::optional<result>> next(clock::time_point deadline) {
-        return next_on(deadline, time_left(deadline));
+        return next_on(deadline, detail::multi_time_left(deadline));
     }
 
     /// No more submissions on any shard; next() returns what is queued, then std::nullopt.
@@ -384,41 +385,6 @@ private:
         std::size_t shard;
         std::size_t chunk; // global submission index
     };
-
-    static multi_pipeline_options checked(multi_pipeline_options o,
-                                          const std::vector<stage>& stages) {
-        if (stages.empty() ||
-            std::any_of(stages.begin(), stages.end(), [](const stage& s) { return !s; })) {
-            throw usage_error("multi_pipeline: at least one stage, and no empty ones");
-        }
-        if (o.shards_per_device == 0) {
-            throw usage_error("multi_pipeline: shards_per_device must be at least 1");
-        }
-        const pipeline_options& p = o.per_shard;
-        if (p.chunk_elements == 0 || p.depth == 0 || p.compute_streams == 0) {
-            throw usage_error(
-                "multi_pipeline: chunk_elements, depth and compute_streams must be non-zero");
-        }
-        std::vector<int> sorted = o.devices;
-        std::sort(sorted.begin(), sorted.end());
-        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-            throw usage_error("multi_pipeline: a device is listed twice (shards_per_device puts "
-                              "several shards on one device)");
-        }
-        return o;
-    }
-
-    static clock::time_point deadline_after(std::chrono::nanoseconds timeout, const char* call) {
-        if (timeout.count() < 0) {
-            throw usage_error(std::string("multi_pipeline::") + call + ": negative timeout");
-        }
-        return clock::now() + timeout;
-    }
-    static std::chrono::nanoseconds time_left(clock::time_point deadline) {
-        auto left = deadline - clock::now();
-        return std::max(std::chrono::nanoseconds(0),
-                        std::chrono::duration_cast<std::chrono::nanoseconds>(left));
-    }
 
     void check_idle(const char* call) const {
         if (m_session_open) {

@@ -1,29 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The streams on which the library makes bulk device-to-host copies (a pipeline's D2H stream
-// and graph streams, the bulk copy lane's D2H stream), per device, so that a small copy can ask
-// whether one of them has work pending (copy.hpp: copy_options::busy_sm_copy_bytes).
-//
-// Why. A copy engine takes the copies queued on it in order. On the measured H200 a 4 KiB
-// device-to-host copy, on any stream at any priority, could wait for the 64 MiB chunk a pipeline
-// had queued on the same engine before it (1.2 ms), depending on which engine the driver gave
-// each stream; made by the SMs it took about 20 us beside the chunk. Which engine a stream gets
-// cannot be asked, so the small lane makes its device-to-host copies by the SMs whenever one of
-// these streams is busy, and by a copy engine (a few microseconds faster when the link is idle)
-// otherwise.
-//
-// A registration is made where such a stream is made and goes before it (the pipeline's members
-// are declared in that order); the bulk lane's, like its stream, lasts for the process. The
-// registry is never destroyed: a static destructor may run after the CUDA driver has gone.
-//
-// Asking costs a cudaStreamQuery per stream: with three streams registered it put 3-6 us on an
-// idle 4 KiB copy of 8-9 us (lane_bench), more than a small copy can spare. So each registration
-// carries a work count that its owner bumps once it has enqueued work there (a pipeline once per
-// flight, the bulk lane after each D2H enqueue), and streams found idle are not asked again until
-// their count moves. A bump before the enqueue would not do: a small copy that asked in between
-// would find the streams idle and keep that answer while the work enqueued next runs, until the
-// next bump. Work others enqueue on those streams without a bump is not seen.
+// The streams on which the library makes bulk device-to-host copies (a pipeline's D2H and graph
+// streams, the bulk lane's D2H stream), per device, so that a small copy can ask whether one of
+// them has work pending (copy_options::busy_sm_copy_bytes). Why, and what asking costs:
+// docs/copy.md#inside.
 
 #include <cudawait/runtime/error.hpp>
 
@@ -40,7 +21,7 @@
 
 namespace cudawait::detail {
 
-/// The registry (see the header's comment). Thread-safe. A class template (of an unused
+/// The registry (docs/copy.md#inside). Thread-safe. A class template (of an unused
 /// parameter, always void) so that only a translation unit that registers or asks instantiates
 /// its members; spelled bulk_streams.
 template <class Unused = void>
@@ -82,7 +63,7 @@ public:
     }
 
     /// Bumps the work count of the group that holds `s` (none if no group does): call after
-    /// enqueueing work on `s`.
+    /// enqueueing work on `s` (not before: docs/copy.md#inside).
     void note_work(cudaStream_t s) noexcept {
         std::lock_guard lock(m_mutex);
         for (const auto& g : m_groups) {

@@ -1,17 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// A bulk copy enqueued as several smaller ones (pipeline_options::copy_piece_bytes): a copy
-// engine finishes the copy it is on before it takes the next of another stream's queue, so a
-// small copy made on another stream (the small lane, copy_lane.hpp) waits at most for one
-// piece, not for a whole chunk. The pieces go on one stream, in order, so that to every other
-// stream and event they are one copy.
-//
-// A copy of several pieces whose host ends are not one range (a streaming run that mixes the
-// slot's pinned chunks with the caller's own page-locked spans) is listed as copy_piece's and
-// enqueued by copy_batch as one cudaMemcpyBatchAsync (CUDA 12.8 and later; one cudaMemcpyAsync
-// per piece before, or where the driver refuses the batch), each piece cut at piece_bytes as
-// above.
+// A copy enqueued as pieces on one stream (pipeline_options::copy_piece_bytes), and a copy of
+// several pieces whose host ends are not one range (copy_batch: one cudaMemcpyBatchAsync, or one
+// cudaMemcpyAsync per piece). See docs/copy.md#inside.
 
 #include <cudawait/runtime/error.hpp>
 

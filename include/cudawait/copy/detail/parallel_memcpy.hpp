@@ -1,19 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// A host memcpy split across a few long-lived threads. One thread copying from pageable memory
-// into page-locked memory reaches well under the PCIe link's bandwidth; staged copies need
-// several to keep the DMA engines fed.
-//
-// Two kinds of use:
-//   copy(dst, src, n)               blocking: the caller copies one part, the workers the rest
-//   copy_async(dst, src, n, done)   the workers copy every part; the one that finishes last
-//                                   calls done() on its thread (the pipeline posts its scheduler
-//                                   from there), so the caller's thread stays free
-// Process-wide sets: instance() for blocking copies (copy()'s staging), and one set per
-// direction for the pipeline's stage-in and stage-out (stage_in_workers(), stage_out_workers()),
-// so that both directions copy at once on threads of their own: with pageable data on both
-// sides, a batch is bounded by the host's memory bandwidth with both directions copying.
+// A host memcpy split across a few long-lived threads: copy() blocks (the caller copies a part),
+// copy_async() hands every part to the workers and calls done() on the last one's thread.
+// instance() serves copy()'s staging; stage_in_workers() / stage_out_workers() a pipeline's.
 
 #include <cudawait/runtime/detail/fork_guard.hpp>
 

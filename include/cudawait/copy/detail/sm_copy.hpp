@@ -1,28 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Copies made by the SMs instead of a copy engine, for the small copy lane (copy_lane.hpp,
-// copy_options::sm_copy_bytes).
-//
-// Why. A copy engine works through the copies queued on it in order: on the measured H200 a
-// 4 KiB device-to-host copy on any stream, at any priority, waited for the 64 MiB chunk a
-// pipeline had queued before it (1.2 ms, 128x its idle latency). A kernel whose threads load
-// and store the bytes over the link (page-locked host memory is addressable by the device)
-// never enters that queue: it runs on an SM between the pipeline's kernels and its stores share
-// the link with the chunk's DMA, packet by packet.
-//
-// The kernel is PTX text in this header (for sm_50 and later, PTX ISA 7.0, so that any driver of
-// CUDA 11 or later can compile it for any GPU it supports), loaded once per process with
-// cudaLibraryLoadData and launched with cudaLaunchKernel. A translation unit compiled by g++ alone
-// can use it: no nvcc, no device code in the user's objects. The library is never unloaded (a
-// static destructor may run after the driver has gone), and a forked child does not use the
-// parent's handle. It is loaded on a device before the first SM copy there (preload_sm_copy says
-// when and why); where it cannot be (no code the driver can make for the device), SM copies are
-// off there and a copy engine makes every copy.
-//
-// What it copies: `bytes` from `src` to `dst`, both device-addressable, in 16-byte words where
-// both addresses and the size are multiples of 16, else 4-byte words where they are multiples of
-// 4, else bytes; up to sm_copy_max_blocks blocks of sm_copy_threads threads, one pass for 64 KiB.
+// Copies made by the SMs instead of a copy engine, for the small copy lane: a kernel shipped as
+// PTX text (no nvcc in the user's build), loaded once per process and device with
+// cudaLibraryLoadData, launched with cudaLaunchKernel. See docs/copy.md#sm-copies.
 
 #include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/device.hpp>

@@ -1,17 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Staging: pageable host memory goes through page-locked buffers, because cudaMemcpyAsync copies
-// pageable memory synchronously through the driver's small staging buffers. One implementation
-// for the library:
-//   stage_in(pinned_dst, src, bytes, index)    pageable -> pinned, before an H2D copy
-//   stage_out(dst, pinned_src, bytes, index)   pinned -> pageable, after a D2H copy
-//   staged_copy                                a pageable <-> device copy through a ring of
-//                                              pinned chunks (copy.hpp's copy and copy_async)
-// The host memcpy runs on several threads (detail/parallel_memcpy.hpp), inside an NVTX
-// "stage-in" / "stage-out" range whose payload is `index` (the chunk). A pipeline batch stages
-// on worker threads of its own per direction instead, asynchronously, through its own rings
-// (detail/pipeline_staging.hpp), so that both directions and the GPU overlap.
+// Staging: pageable host memory goes through page-locked buffers (cudaMemcpyAsync would copy it
+// synchronously through the driver's small buffers). stage_in / stage_out copy one chunk on
+// several threads; staged_copy is copy.hpp's pageable <-> device copy through a pinned ring.
 
 #include <cudawait/copy/detail/parallel_memcpy.hpp>
 #include <cudawait/memory/pinned_buffer.hpp>

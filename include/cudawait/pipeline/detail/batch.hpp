@@ -1,20 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The batch driver: run() cuts the host ranges into chunks, starts them on the slots, awaits the
-// oldest in flight, puts its output in place, and degrades on errors and timeouts (see the
-// pipeline synopsis). Pageable ranges are staged through the batch's own pinned rings, the host
-// copies on worker threads off the scheduler's thread (detail/pipeline_staging.hpp), one chunk
-// per flight.
-//
-// With chunk groups (options.group_bytes) and pinned host ranges the unit started, awaited and
-// retired is a group of up to G consecutive chunks (detail/pipeline_group.hpp plans them): one
-// flight, one wait. What is per chunk stays per chunk: the chunks' states, stats (chunks,
-// gpu_chunks, fallback_chunks, failed_chunks), latency samples (from the group's first try),
-// recovery's clean count, the fallback (a group given up hands each of its chunks to it once)
-// and pipeline_error's lists. Retries and chunk_timeout apply to the group (attempts are counted
-// on its first chunk; a group retried after a lowered depth has the same chunks), and so do
-// degradation records (chunk_failure::chunks) and the trace and timeline ranges.
+// The batch driver: run() cuts the host ranges into chunks (or, with chunk groups and pinned
+// ranges, groups of chunks), starts them on the slots, awaits the oldest in flight, puts its
+// output in place and degrades on errors and timeouts; pageable ranges go through the staging
+// rings. See docs/pipeline.md#batches and docs/pipeline.md#recovery.
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
@@ -58,25 +48,15 @@ public:
     ///         pipeline_error; what the fallback or a callback throws
     task<void> run(std::span<const In> in, std::span<Out> out, bool pinned_in, bool pinned_out) {
         core& k = m_core;
-        if (k.session_open || k.free_slots.size() != k.slots.size()) {
-            throw usage_error("pipeline::run: a streaming session is open (slots or results held, "
-                              "chunks not yet taken, or next() has not returned the end after "
-                              "close())");
-        }
-        if (k.batch_running) {
-            throw usage_error("pipeline::run: another batch is running");
-        }
+        check_idle();
         k.batch_running = true;
         struct running_flag {
             bool* flag;
             ~running_flag() { *flag = false; }
         } guard{&k.batch_running};
 
-        batch b{in, out, pinned_in, pinned_out, {}, {}, {}, std::vector<bool>(k.slots.size())};
-        std::size_t n = (in.size() + k.options.chunk_elements - 1) / k.options.chunk_elements;
-        b.state.assign(n, chunk_state::pending);
-        b.attempts.assign(n, 0);
-        b.taken.assign(n, {});
+        batch b = make_batch(in, out, pinned_in, pinned_out);
+        const std::size_t n = b.state.size();
         if (!b.runahead()) {
             scheduler* sched = co_await this_scheduler_ptr();
             m_staging.begin(*sched, k.options.timeline, *k.pool, k.options.depth,
@@ -84,7 +64,6 @@ public:
                             !pinned_out);
         }
         k.monitor.reset();
-        pipeline_stats& stats = k.monitor.counters();
         auto t0 = std::chrono::steady_clock::now();
         std::size_t next = 0;
         std::exception_ptr failure;
@@ -104,41 +83,17 @@ public:
                     flight f; // describes the group also when starting it fails
                     chunk_error error;
                     const chunk_group g = plan(b, next);
-                    try {
-                        for (std::size_t c = g.first; c < g.first + g.chunks; ++c) {
-                            note_first_try(b, c);
-                        }
-                        start_chunk(b, g, f);
+                    if (try_start(b, g, f, error)) {
                         next += g.chunks;
-                        continue;
-                    } catch (const cuda_error& e) {
-                        error = chunk_error_of(e);
-                    }
-                    if (error.sticky) {
-                        k.report_degradation(f, degrade_level::give_up, degrade_action::gpu_lost,
-                                             error);
-                        abandon_gpu(b, error);
-                        continue;
-                    }
-                    if (++b.attempts[next] <= k.options.max_retries) {
+                    } else if (start_failed(b, g, f, error, next)) {
                         // Level 1: let everything in flight finish, then retry with one slot fewer.
-                        ++stats.retries;
                         while (!b.inflight.empty()) {
                             co_await retire(b);
                         }
                         k.lower_depth();
                         k.report_degradation(f, degrade_level::retry,
                                              degrade_action::retried_with_less_depth, error);
-                        continue;
                     }
-                    k.report_degradation(f, degrade_level::give_up,
-                                         k.on_gpu_failure ? degrade_action::fallback
-                                                          : degrade_action::failed,
-                                         error);
-                    for (std::size_t c = g.first; c < g.first + g.chunks; ++c) {
-                        run_fallback(b, c);
-                    }
-                    next += g.chunks;
                     continue;
                 }
                 co_await retire(b);
@@ -157,20 +112,7 @@ public:
             }
             std::rethrow_exception(failure);
         }
-        auto t1 = std::chrono::steady_clock::now();
-        stats.chunks = n;
-        stats.wall_seconds = std::chrono::duration<double>(t1 - t0).count();
-        if (k.monitor.give_ups() != 0) {
-            write_failure_report(k); // a level-2 step: before pipeline_error, if one follows
-        }
-        if (stats.failed_chunks != 0) {
-            std::vector<std::size_t> completed;
-            std::vector<std::size_t> failed;
-            for (std::size_t c = 0; c < n; ++c) {
-                (b.state[c] == chunk_state::failed ? failed : completed).push_back(c);
-            }
-            throw batch_failed(std::move(completed), std::move(failed));
-        }
+        finish(b, t0);
     }
 
 private:
@@ -189,6 +131,93 @@ private:
         std::vector<std::chrono::steady_clock::time_point> taken{}; // first tried (latency)
         [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
+
+    // run() begins only with every slot free: no streaming session, no other batch.
+    void check_idle() const {
+        const core& k = m_core;
+        if (k.session_open || k.free_slots.size() != k.slots.size()) {
+            throw usage_error("pipeline::run: a streaming session is open (slots or results held, "
+                              "chunks not yet taken, or next() has not returned the end after "
+                              "close())");
+        }
+        if (k.batch_running) {
+            throw usage_error("pipeline::run: another batch is running");
+        }
+    }
+
+    // The batch of `in` and `out`: every chunk pending, none tried yet.
+    batch make_batch(std::span<const In> in, std::span<Out> out, bool pinned_in,
+                     bool pinned_out) const {
+        const core& k = m_core;
+        batch b{in, out, pinned_in, pinned_out, {}, {}, {}, std::vector<bool>(k.slots.size())};
+        std::size_t n = (in.size() + k.options.chunk_elements - 1) / k.options.chunk_elements;
+        b.state.assign(n, chunk_state::pending);
+        b.attempts.assign(n, 0);
+        b.taken.assign(n, {});
+        return b;
+    }
+
+    // Starts group `g` as flight `f`: true once it is in flight; false with `error` when its
+    // enqueue failed (a cuda_error; anything else propagates).
+    bool try_start(batch& b, const chunk_group& g, flight& f, chunk_error& error) {
+        try {
+            for (std::size_t c = g.first; c < g.first + g.chunks; ++c) {
+                note_first_try(b, c);
+            }
+            start_chunk(b, g, f);
+            return true;
+        } catch (const cuda_error& e) {
+            error = chunk_error_of(e);
+        }
+        return false;
+    }
+
+    // Group `g` (from chunk `next`) could not start: a sticky error gives the GPU up, a retry
+    // left returns true (run() drains and retries with one slot fewer), else the group's chunks
+    // go to the fallback and `next` moves past them.
+    bool start_failed(batch& b, const chunk_group& g, const flight& f, const chunk_error& error,
+                      std::size_t& next) {
+        core& k = m_core;
+        if (error.sticky) {
+            k.report_degradation(f, degrade_level::give_up, degrade_action::gpu_lost, error);
+            abandon_gpu(b, error);
+            return false;
+        }
+        if (++b.attempts[next] <= k.options.max_retries) {
+            ++k.monitor.counters().retries;
+            return true;
+        }
+        k.report_degradation(f, degrade_level::give_up,
+                             k.on_gpu_failure ? degrade_action::fallback : degrade_action::failed,
+                             error);
+        for (std::size_t c = g.first; c < g.first + g.chunks; ++c) {
+            run_fallback(b, c);
+        }
+        next += g.chunks;
+        return false;
+    }
+
+    // A batch that ran to its end: the counts, the report of a level-2 step, and pipeline_error
+    // (batch_failed) naming the failed chunks, if any.
+    void finish(const batch& b, std::chrono::steady_clock::time_point t0) {
+        core& k = m_core;
+        pipeline_stats& stats = k.monitor.counters();
+        const std::size_t n = b.state.size();
+        auto t1 = std::chrono::steady_clock::now();
+        stats.chunks = n;
+        stats.wall_seconds = std::chrono::duration<double>(t1 - t0).count();
+        if (k.monitor.give_ups() != 0) {
+            write_failure_report(k); // a level-2 step: before pipeline_error, if one follows
+        }
+        if (stats.failed_chunks != 0) {
+            std::vector<std::size_t> completed;
+            std::vector<std::size_t> failed;
+            for (std::size_t c = 0; c < n; ++c) {
+                (b.state[c] == chunk_state::failed ? failed : completed).push_back(c);
+            }
+            throw batch_failed(std::move(completed), std::move(failed));
+        }
+    }
 
     // The group that starts at chunk `first`: one chunk where the batch stages (its rings and
     // workers move chunks; the slots' device buffers then use their first chunk only).
@@ -294,7 +323,7 @@ private:
         }
     }
 
-    // ---- staging (pageable ranges; detail/pipeline_staging.hpp) ----
+    // ---- staging (pageable ranges; detail/staging.hpp) ----
 
     // One step of a staged batch before the usual start-or-retire: records the outputs that
     // landed, retires a chunk the GPU finished (its stage-out starts at once), starts stage-ins

@@ -2,13 +2,8 @@
 #pragma once
 
 // Chunk groups (pipeline_options::group_bytes): how many chunks move as one unit, and which
-// elements a group covers. Pure arithmetic, so that it is tested without a device.
-//
-// A group is a run of consecutive chunks of a batch. Its chunks lie back to back in the host
-// ranges (chunk c at c x chunk_elements in the input, c x output_elements in the output) and
-// in the slot's buffers (chunk j of the group at j x chunk_elements, j x output_elements): the
-// layouts match, so a group is one copy each way. Only a batch's last chunk may be short, so
-// only the last group may hold one.
+// elements a group covers (its chunks lie back to back in the host ranges and in the slot's
+// buffers alike, so a group is one copy each way). Pure arithmetic, tested without a device.
 
 #include <algorithm>
 #include <cstddef>

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// How multi_pipeline's stats() makes one pipeline_stats of its shards' (see the synopsis of
-// multi_pipeline.hpp for the rules): host code only, so that it is tested without a GPU.
+// How multi_pipeline's stats() makes one pipeline_stats of its shards' (the rules:
+// docs/pipeline.md#multi_pipeline): host code only, so that it is tested without a GPU.
 
 #include <cudawait/pipeline/options.hpp>
 

@@ -1,53 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The pipeline's slots and the enqueue of one chunk: no waiting on the host here (the drivers,
-// detail/pipeline_batch.hpp and detail/pipeline_stream.hpp, do that by co_await, through
-// await_completion: it tells an error the chunk's completion reported from one in setting the
-// wait up, which leaves the chunk's work running).
-//
-// Who waits on what. Each slot owns device buffers (dev_in, dev_out, dev_mid for chained
-// stages, and the stages' scratch) and three events, recorded after each use of them. A chunk on
-// slot `s`, plain path:
-//   H2D     (h2d stream)          waits on s.compute_done: the slot's previous chunk's stages
-//                                 read dev_in; then copies into dev_in, records s.h2d_done.
-//   stages  (compute stream i,    wait on s.h2d_done, and on s.d2h_done: the previous chunk's
-//            taken in turn)       D2H read dev_out; then run in order, record s.compute_done.
-//   D2H     (d2h stream)          waits on s.compute_done; copies dev_out out, records
-//                                 s.d2h_done and then the chunk's own completion event.
-// With options.stage_streams the stages are split over the stage streams (stage k on stream k,
-// shared by all slots, so stage k of one chunk runs while stage k+1 of the one before it does):
-//   stage 0     (stage stream 0)  waits on s.h2d_done and s.d2h_done (as above); runs, records
-//                                 s.stage_done[0] (s.compute_done when it is the only stage).
-//   stage k     (stage stream k)  waits on s.stage_done[k-1]: the same chunk's stage k-1; runs,
-//                                 records s.stage_done[k], the last stage s.compute_done.
-// H2D and D2H wait as above. s.compute_done thus still follows all of the chunk's stages (each
-// waits on the one before), and a slot's next chunk reaches stage 0 only after this one's D2H,
-// so the stages of one slot's chunks never overlap: dev_mid and the scratch need no events.
-// Graph path (full chunks with options.graph): the slot's graph stream waits on
-// s.compute_done and s.d2h_done (plain-path work on the slot, a short chunk, goes first), replays
-// the slot's graph (H2D node -> stages -> D2H node, ordered inside the graph), then records
-// s.h2d_done, s.compute_done, s.d2h_done and the chunk's completion event. Successive replays of
-// one slot are ordered by its graph stream.
-// The GPU alone orders slot reuse; the host reuses a slot's pinned staging buffers only after the
-// chunk that used them completed (the batch driver's `busy`, the streaming session's slots).
-//
-// Chunk groups (options.group_bytes, detail/pipeline_group.hpp). With G chunks per group a slot
-// is a slot group: its buffers hold G chunks back to back (chunk j at j x chunk_elements in
-// dev_in and the pinned input, j x output_elements in dev_out, dev_mid and the pinned output),
-// the layout of the host ranges, and a flight is a group of consecutive chunks. Everything
-// above then happens once per group: one H2D copy and one D2H copy (the group is contiguous on
-// both sides), the same event waits and records, one completion event; each stage is called
-// once per group (a group stage, one launch) or once per chunk of it in order (a per-chunk
-// stage), on the same stream, so the order rules above hold for the group as a whole, and the
-// chunks of a group share the slot's scratch in turn. A streaming run whose chunks include views
-// of the caller's memory (flight::views) has host ends that are not one range: its H2D and D2H
-// are each one batch of pieces (copy_batch, detail/copy_pieces.hpp) on the same streams, with the
-// same waits and records, and it takes the plain path. Graph mode captures a full group's work
-// (per-chunk launches included) as the slot's graph: one replay per group. Without groups (G =
-// 1) a flight is one chunk and nothing differs from the above. The 256-byte scratch alignment
-// is unchanged; chunk j's device spans are aligned to their element type (and to 256 bytes
-// when a chunk's bytes are a multiple of 256).
+// The pipeline's slots and the enqueue of one flight (a chunk or a group): H2D, the stages and
+// D2H on their streams, ordered by the slot's events, or the slot's graph. No waiting on the host
+// here: the drivers co_await await_completion. Who waits on what: docs/pipeline.md#inside.
 
 #include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/copy/detail/copy_pieces.hpp>

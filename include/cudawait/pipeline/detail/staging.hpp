@@ -1,24 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// A batch's pageable staging off the scheduler's thread (detail/pipeline_batch.hpp drives it).
-//
-// With pageable input or output a batch is bounded by the host's memcpy bandwidth, not by the
-// link: the host copies must run all the time, in both directions at once. So the batch keeps
-// its own rings of pinned buffers (options.depth + 2 input chunks and as many output chunks, from
-// the pipeline's pool, made on the first pageable batch and kept), apart from the slots' device
-// buffers:
-//   input buffer    free -> filling (stage-in on the stage-in workers) -> filled -> on the GPU
-//                   (from the chunk's enqueue until it retired) -> free
-//   output buffer   free -> on the GPU (the chunk's D2H writes it) -> draining (stage-out on the
-//                   stage-out workers, once the chunk retired) -> free
-// Stage-ins of the chunks ahead start whenever an input buffer is free, and stage-outs as soon as
-// a chunk retires, so neither direction waits for the other nor for the GPU (the link is faster
-// than the host copies). The workers (detail/parallel_memcpy.hpp, one set per direction) report
-// each finished copy through staging_signal, which resumes the batch's coroutine on its
-// scheduler by post(). A buffer is reused only after its copy finished and, for a chunk given up
-// while the GPU may still touch its buffers (a level-2 timeout), never: those buffers move to
-// pipeline_core's abandoned ones, kept until the streams were synchronised.
+// A batch's pageable staging off the scheduler's thread (detail/batch.hpp drives it): rings of
+// pinned chunks, filled and drained by worker threads of their own per direction, which resume
+// the batch through staging_signal. The rings' states: docs/pipeline.md#inside.
 
 #include <cudawait/copy/detail/parallel_memcpy.hpp>
 #include <cudawait/core/scheduler.hpp>

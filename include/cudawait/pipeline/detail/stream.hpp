@@ -1,54 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The streaming driver: a producer acquires a slot, fills its pinned input and submits it; a
-// consumer takes the outputs in submission order with next(). A session runs from the first
-// acquire() until next() returned the end after close() (the session rule in the pipeline
-// synopsis).
-//
-// Degradation as in a batch: an enqueue that fails with a retryable error is retried at once
-// (level 1, up to max_retries), and a chunk whose wait passes chunk_timeout is waited for again;
-// each lowers the depth. The depth here bounds the chunks the GPU works on at once, on the GPU
-// itself: a chunk's H2D (or graph replay) waits for the chunk `depth` submissions before it, so
-// a producer that holds several slots never blocks on a lowered depth. recover_after clean
-// chunks raise it again by one.
-//
-// Chunk groups (options.group_bytes, G chunks per slot group). A slot group holds G chunks, and
-// acquire() hands them out in order, one input_slot per chunk: the producer fills chunk j of the
-// group at j x chunk_elements of its pinned input, so that consecutive submissions are
-// contiguous. submit() does not enqueue at once: it holds the chunk back in a run (one flight
-// once sent) of chunks submitted one after the other into consecutive chunks of one slot group,
-// all full but the last (a group stage's layout: group_context). The run goes to the GPU as one
-// flight (one H2D, the stages once per run or per chunk, one D2H, one event; a full group
-// replays the slot's graph) when
-//   - it reaches the end of its slot group, or its chunk is short (nothing may follow it),
-//   - a chunk is submitted that cannot join it (another slot group, a chunk skipped because
-//     its input_slot was dropped, submissions out of the order of acquisition),
-//   - next() needs its first chunk, close() is called, or acquire() is about to wait (the
-//     producer would otherwise wait for chunks that are not on the GPU).
-// Chunks acquired but not submitted are not part of any run; a run only ever holds submitted
-// chunks, so an input_slot the producer keeps (or drops) never delays another's. What stays per
-// chunk: submission order and indices, next() and its timeouts (the wait is the run's: a
-// chunk's next() waits for its run, and the run's later chunks are then ready), results,
-// latency (from submit(), so it includes the time held back), stats' chunk counts, the
-// fallback (each chunk of a failed run once, in order, when next() reaches it) and
-// pipeline_error. What is per run: the enqueue and its retries, chunk_timeout and its retries,
-// the degradation record (chunk_failure::chunks), the bytes and times of stats(), the trace
-// ranges. A slot group goes back to the producer once all of its chunks were given back (results
-// destroyed, input_slots dropped, chunks failed); the one acquire() hands out from stays with
-// it until it is used up or close() is called. queue_capacity counts slot groups: the queue
-// holds up to queue_capacity x G chunks. Without groups (G = 1) every chunk is its own run and
-// is enqueued by submit(), as before.
-//
-// Views (submit(slot, in, out)). A chunk may take its input from the caller's span and deliver
-// into the caller's output span instead of the slot's pinned chunk. A page-locked span is the
-// host end of the chunk's copy itself; a pageable one is staged through the slot's pinned chunk
-// (memcpy of `in` at submit(), of `out` when next() delivers the chunk), so that its copy is a
-// slot chunk's. Each run records its copies chunk by chunk as pieces (flight::h2d_pieces,
-// d2h_pieces; the slot's own chunks merged, each view its own piece); a run with any view copies
-// them as one batch each way and never replays the slot's graph. The fallback and the result
-// see the caller's spans. Runs are kept in a pool (m_flights) and reused once nothing refers to
-// them, so that their piece lists keep their capacity and a steady stream allocates no run.
+// The streaming driver: a producer acquires a slot, fills it and submits it; a consumer takes
+// the outputs in submission order with next(). In a grouped pipeline submit() holds chunks back
+// in runs (one flight each), and a chunk may be submitted with views of the caller's memory.
+// See docs/pipeline.md#streaming and docs/pipeline.md#streaming-in-groups.
 
 #include <cudawait/core/detail/wait_list.hpp>
 #include <cudawait/core/scheduler.hpp>
@@ -58,6 +14,7 @@
 #include <cudawait/observe/timeline.hpp>
 #include <cudawait/observe/trace.hpp>
 #include <cudawait/pipeline/detail/slots.hpp>
+#include <cudawait/pipeline/detail/stream_run.hpp>
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/report.hpp>
 #include <cudawait/runtime/error.hpp>
@@ -282,7 +239,6 @@ public:
     [[nodiscard]] task<std::optional<result>> next(std::optional<clock::time_point> deadline = {},
                                                    std::chrono::nanoseconds budget = {}) {
         core& k = m_core;
-        pipeline_stats& stats = k.monitor.counters();
         scheduler& sched = *co_await this_scheduler_ptr();
         if (m_deferred) {
             std::rethrow_exception(std::exchange(m_deferred, nullptr)); // from close()
@@ -332,43 +288,10 @@ public:
                 trace_async_range r("wait", sf.f.chunk);
                 timeline_scope span(k.options.timeline, "wait", "wait", sf.f.chunk);
                 for (;;) {
-                    wait_outcome w = co_await wait_for(sf.f, deadline);
-                    if (sf.landed) {
-                        break; // another consumer saw the run complete meanwhile
-                    }
-                    if (w.error.failed()) {
-                        error = std::move(w.error);
-                        sf.f.error = error; // the run's other chunks fail with it
+                    wait_outcome w = co_await wait_for_run(sf.f, k.options.chunk_timeout, deadline);
+                    if (!waited(it, w, error, consumed, budget)) {
                         break;
                     }
-                    if (!w.timed_out) {
-                        sf.landed = true;
-                        consumed = true;
-                        try {
-                            k.chunk_done(sf.f);
-                        } catch (...) {
-                            release(it.slot);
-                            throw;
-                        }
-                        break;
-                    }
-                    if (w.by_caller) {
-                        throw timeout_error(budget); // not consumed
-                    }
-                    error.timed_out = true;
-                    error.exception =
-                        std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
-                    error.what = "chunk did not complete within chunk_timeout";
-                    if (++sf.waits > k.options.max_retries) {
-                        give_up_timed_out(it, error, consumed); // throws
-                    }
-                    // Level 1: the work cannot be cancelled; it is waited for again, with less
-                    // concurrency for the chunks that follow.
-                    ++stats.retries;
-                    m_core.lower_depth();
-                    k.report_degradation(sf.f, degrade_level::retry, degrade_action::waited_again,
-                                         error);
-                    error = {};
                 }
             } else if (error.timed_out) {
                 give_up_timed_out(it, error, consumed); // behind a chunk given up: throws
@@ -382,55 +305,9 @@ public:
             throw;
         }
         if (!error.failed()) {
-            ++stats.gpu_chunks;
-            ++stats.chunks;
-            if (sf.waits == 0) {
-                m_core.note_clean();
-            }
-            if (it.copy_out) {
-                std::memcpy(it.out_view, output_at(it.slot, it.position),
-                            it.output_count * sizeof(Out));
-            }
-            record_latency(it);
-            co_return result(this, it.slot, it.position, it.seq, it.output_count, false,
-                             it.out_view);
+            co_return delivered(it);
         }
-        if (error.sticky) {
-            k.gpu_abandoned = true;
-        }
-        ++stats.chunks;
-        try {
-            if (!std::exchange(sf.reported, true)) {
-                // One record per run (a group), as in a batch.
-                k.report_degradation(
-                    sf.f, degrade_level::give_up,
-                    k.on_gpu_failure ? degrade_action::fallback : degrade_action::failed, error);
-            }
-            if (!k.on_gpu_failure) {
-                throw pipeline_error("pipeline: chunk " + std::to_string(it.seq) +
-                                         " failed: " + error.what,
-                                     {}, {it.seq});
-            }
-            trace_range r("fallback", it.seq);
-            timeline_scope span(k.options.timeline, "fallback", "fallback", it.seq);
-            // A chunk submitted with views: the caller's spans, staged or not.
-            std::span<const In> in = input_of(it.slot, it.position).first(it.count);
-            std::span<Out> out = output_of(it.slot, it.position, it.output_count);
-            if (it.out_view != nullptr) {
-                in = std::span<const In>(it.in_view, it.count);
-                out = std::span<Out>(it.out_view, it.output_count);
-            }
-            k.on_gpu_failure(it.seq, in, out);
-        } catch (...) {
-            ++stats.failed_chunks;
-            write_failure_report(k);
-            release(it.slot);
-            throw;
-        }
-        ++stats.fallback_chunks;
-        record_latency(it);
-        write_failure_report(k);
-        co_return result(this, it.slot, it.position, it.seq, it.output_count, true, it.out_view);
+        co_return fallen_back(it, error);
     }
 
     /// The submission index of the chunk next() returns next, if one is queued.
@@ -464,60 +341,13 @@ private:
 
     static constexpr std::size_t npos = static_cast<std::size_t>(-1);
 
-    // A run of chunks submitted one after the other into consecutive chunks of one slot group,
-    // all full but the last: one flight once sent (f.chunk its first submission index).
-    struct stream_flight {
-        flight f;
-        bool sent = false;     ///< enqueued (or, with the GPU given up, handed to next())
-        bool landed = false;   ///< seen complete by next()
-        bool reported = false; ///< its give-up was reported (one record per run)
-        bool last_full = true; ///< its last chunk is full, so another may join
-        unsigned waits = 0;    ///< chunk_timeout retries of its wait
-
-        /// As new, for another run; the piece lists keep their capacity.
-        void reset() noexcept {
-            std::vector<copy_piece> h2d = std::move(f.h2d_pieces);
-            std::vector<copy_piece> d2h = std::move(f.d2h_pieces);
-            h2d.clear();
-            d2h.clear();
-            f = flight{}; // its completion event goes back to the pool
-            f.h2d_pieces = std::move(h2d);
-            f.d2h_pieces = std::move(d2h);
-            sent = landed = reported = false;
-            last_full = true;
-            waits = 0;
-        }
-    };
-
-    // A submitted chunk, in submission order.
-    struct item {
-        std::size_t seq = 0;      ///< submission index
-        std::size_t slot = 0;     ///< slot group
-        std::size_t position = 0; ///< chunk of the slot group
-        std::size_t count = 0;
-        std::size_t output_count = 0;
-        clock::time_point started{}; ///< submitted (its latency runs from here)
-        std::shared_ptr<stream_flight> flight;
-        const In* in_view = nullptr; ///< submitted with views: the caller's input and output
-        Out* out_view = nullptr;
-        bool copy_out = false; ///< out_view is pageable: next() copies the slot's output there
-    };
-
-    struct wait_outcome {
-        bool timed_out = false; ///< not complete (yet)
-        bool by_caller = false; ///< the caller's deadline passed, not chunk_timeout
-        chunk_error error;      ///< a CUDA error the completion reported
-    };
+    using stream_flight = detail::stream_flight<flight>;
+    using item = stream_item<In, Out, stream_flight>;
+    using wait_outcome = stream_wait_outcome;
 
     // Chunks submitted and not taken: queue_capacity groups' worth.
     [[nodiscard]] std::size_t capacity() const noexcept {
         return m_core.options.queue_capacity * m_core.group_chunks;
-    }
-
-    // `it` extends the run: the next chunk of the same slot group, after a full one.
-    [[nodiscard]] static bool joins(const stream_flight& run, const item& it) noexcept {
-        return run.last_full && run.f.slot == it.slot &&
-               run.f.position + run.f.chunks == it.position;
     }
 
     // An input_slot of this pipeline's open session.
@@ -557,7 +387,7 @@ private:
         const In* src = direct_in ? in_view : input_at(it.slot, it.position);
         Out* dst = direct_out ? out_view : output_at(it.slot, it.position);
         if (!m_pending) {
-            m_pending = fresh_flight();
+            m_pending = m_runs.fresh();
             flight& f = m_pending->f;
             f.chunk = it.seq;
             f.chunks = 0;
@@ -588,23 +418,6 @@ private:
         if (ends_group) {
             flush();
         }
-    }
-
-    // A run for submit_item: one of the pool's that nothing refers to any more (reset, its
-    // piece lists keeping their capacity), else a new one. The pool grows to the runs alive
-    // at once (queued, held back, in m_recent), so that a steady stream allocates none.
-    std::shared_ptr<stream_flight> fresh_flight() {
-        const std::size_t n = m_flights.size();
-        for (std::size_t j = 0; j < n; ++j) {
-            const std::size_t i = (m_flight_cursor + j) % n; // runs free up in about this order
-            if (m_flights[i].use_count() == 1) {
-                m_flight_cursor = (i + 1) % n;
-                m_flights[i]->reset();
-                return m_flights[i];
-            }
-        }
-        m_flights.push_back(std::make_shared<stream_flight>());
-        return m_flights.back();
     }
 
     // The run held back goes to the GPU.
@@ -670,32 +483,109 @@ private:
         }
     }
 
-    // Waits for f's completion until the caller's deadline or chunk_timeout, whichever is first.
-    task<wait_outcome> wait_for(flight& f, std::optional<clock::time_point> deadline) {
-        const std::chrono::nanoseconds limit = m_core.options.chunk_timeout;
-        std::optional<clock::time_point> until = deadline;
-        bool by_caller = deadline.has_value();
-        if (limit.count() > 0 && (!deadline || clock::now() + limit < *deadline)) {
-            until = clock::now() + limit;
-            by_caller = false;
+    // One wait of next() for chunk `it`'s run ended as `w`: whether to wait again (level 1:
+    // chunk_timeout passed with retries left). Sets `error` for a failed run; throws
+    // timeout_error(budget) when the caller's deadline passed (the chunk not consumed), and
+    // pipeline_error once the retries are used up (give_up_timed_out).
+    bool waited(item& it, wait_outcome& w, chunk_error& error, bool& consumed,
+                std::chrono::nanoseconds budget) {
+        core& k = m_core;
+        stream_flight& sf = *it.flight;
+        if (sf.landed) {
+            return false; // another consumer saw the run complete meanwhile
         }
-        wait_outcome w;
-        try {
-            if (!until) {
-                co_await await_completion(event_ref(f.done), {});
-            } else if (auto left = *until - clock::now(); left.count() > 0) {
-                co_await await_completion(
-                    event_ref(f.done), std::chrono::duration_cast<std::chrono::nanoseconds>(left));
-            } else if (!event_ref(f.done).is_done()) {
-                w.timed_out = true; // a deadline already passed: a poll
+        if (w.error.failed()) {
+            error = std::move(w.error);
+            sf.f.error = error; // the run's other chunks fail with it
+            return false;
+        }
+        if (!w.timed_out) {
+            sf.landed = true;
+            consumed = true;
+            try {
+                k.chunk_done(sf.f);
+            } catch (...) {
+                release(it.slot);
+                throw;
             }
-        } catch (const timeout_error&) {
-            w.timed_out = true;
-        } catch (const cuda_error& e) {
-            w.error = chunk_error_of(e); // reported by the completion (await_completion)
+            return false;
         }
-        w.by_caller = w.timed_out && by_caller;
-        co_return w;
+        if (w.by_caller) {
+            throw timeout_error(budget); // not consumed
+        }
+        error.timed_out = true;
+        error.exception = std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
+        error.what = "chunk did not complete within chunk_timeout";
+        if (++sf.waits > k.options.max_retries) {
+            give_up_timed_out(it, error, consumed); // throws
+        }
+        // Level 1: the work cannot be cancelled; it is waited for again, with less concurrency
+        // for the chunks that follow.
+        ++k.monitor.counters().retries;
+        m_core.lower_depth();
+        k.report_degradation(sf.f, degrade_level::retry, degrade_action::waited_again, error);
+        error = {};
+        return true;
+    }
+
+    // Chunk `it` came from the GPU: counted, its output copied into a pageable view, delivered.
+    result delivered(const item& it) {
+        pipeline_stats& stats = m_core.monitor.counters();
+        ++stats.gpu_chunks;
+        ++stats.chunks;
+        if (it.flight->waits == 0) {
+            m_core.note_clean();
+        }
+        if (it.copy_out) {
+            std::memcpy(it.out_view, output_at(it.slot, it.position),
+                        it.output_count * sizeof(Out));
+        }
+        record_latency(it);
+        return result(this, it.slot, it.position, it.seq, it.output_count, false, it.out_view);
+    }
+
+    // Chunk `it` failed with `error`: its run's give-up reported once, then the fallback computes
+    // it into the caller's spans (a view) or the slot's; without a fallback, pipeline_error.
+    result fallen_back(const item& it, const chunk_error& error) {
+        core& k = m_core;
+        pipeline_stats& stats = k.monitor.counters();
+        stream_flight& sf = *it.flight;
+        if (error.sticky) {
+            k.gpu_abandoned = true;
+        }
+        ++stats.chunks;
+        try {
+            if (!std::exchange(sf.reported, true)) {
+                // One record per run (a group), as in a batch.
+                k.report_degradation(
+                    sf.f, degrade_level::give_up,
+                    k.on_gpu_failure ? degrade_action::fallback : degrade_action::failed, error);
+            }
+            if (!k.on_gpu_failure) {
+                throw pipeline_error("pipeline: chunk " + std::to_string(it.seq) +
+                                         " failed: " + error.what,
+                                     {}, {it.seq});
+            }
+            trace_range r("fallback", it.seq);
+            timeline_scope span(k.options.timeline, "fallback", "fallback", it.seq);
+            // A chunk submitted with views: the caller's spans, staged or not.
+            std::span<const In> in = input_of(it.slot, it.position).first(it.count);
+            std::span<Out> out = output_of(it.slot, it.position, it.output_count);
+            if (it.out_view != nullptr) {
+                in = std::span<const In>(it.in_view, it.count);
+                out = std::span<Out>(it.out_view, it.output_count);
+            }
+            k.on_gpu_failure(it.seq, in, out);
+        } catch (...) {
+            ++stats.failed_chunks;
+            write_failure_report(k);
+            release(it.slot);
+            throw;
+        }
+        ++stats.fallback_chunks;
+        record_latency(it);
+        write_failure_report(k);
+        return result(this, it.slot, it.position, it.seq, it.output_count, true, it.out_view);
     }
 
     // The GPU may still write the run's chunks (and those of the runs behind it): they are
@@ -807,23 +697,18 @@ private:
         m_core.monitor.reset();
     }
     void end_session() {
-        m_recent.clear(); // their events go back to the pool with the session
-        for (const auto& p : m_flights) {
-            if (p.use_count() == 1) {
-                p->f.done = pooled_event(); // and those of the runs kept for reuse
-            }
-        }
+        m_recent.clear();       // their events go back to the pool with the session
+        m_runs.return_events(); // and those of the runs kept for reuse
         m_core.session_open = false;
         m_closed = false;
         ++m_sessions_ended;
     }
 
     core& m_core;
-    std::deque<item> m_items;                              // submitted, not taken by next()
-    std::shared_ptr<stream_flight> m_pending;              // the run held back (not sent yet)
-    std::deque<std::shared_ptr<stream_flight>> m_recent;   // the last `depth` runs sent (throttle)
-    std::vector<std::shared_ptr<stream_flight>> m_flights; // every run made: reused when free
-    std::size_t m_flight_cursor = 0;                       // where fresh_flight() looks first
+    std::deque<item> m_items;                            // submitted, not taken by next()
+    std::shared_ptr<stream_flight> m_pending;            // the run held back (not sent yet)
+    std::deque<std::shared_ptr<stream_flight>> m_recent; // the last `depth` runs sent (throttle)
+    stream_run_pool<stream_flight> m_runs;               // every run made: reused when free
     std::vector<std::size_t> m_held; // per slot group: chunks handed out, not back
     std::vector<bool> m_tainted;     // per slot group: pinned buffers to abandon
     std::size_t m_open = npos;       // the slot group acquire() hands out from
