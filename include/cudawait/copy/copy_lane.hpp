@@ -21,10 +21,10 @@
 // and device, shared by every coroutine that makes small copies: control traffic (parameters,
 // flags, counters, a result's header) never queues behind bulk data, only behind other small
 // copies. benchmarks/lane_bench.cu measures how long it takes while a pipeline keeps both
-// directions busy, side by side with the alternatives (a plain stream, a high-priority one, the
-// pipeline's copies split into pieces: pipeline_options::copy_piece_bytes). On the measured
-// H200 a small D2H copy made by a copy engine, on any stream or priority, could wait for the bulk
-// D2H chunk already queued on the same engine, with the chunks in pieces or not. So while one of
+// directions busy, side by side with the alternatives (a plain stream, a high-priority one). On
+// the measured H200 a small D2H copy made by a copy engine, on any stream or priority, could
+// wait for the bulk D2H chunk already queued on the same engine, even with the pipeline's
+// copies cut into pieces (tried, and removed). So while one of
 // the library's bulk D2H streams is busy, the lane's small D2H copies are made by the SMs
 // (copy.hpp: copy_options::busy_sm_copy_bytes). Every small copy beside a saturated link still
 // takes longer than on an idle one, its bytes queued behind the bulk's. The figures are in

@@ -9,7 +9,7 @@
 //                 output); or the older void(dev_in, dev_out, stream_ref s), launching on `s`
 //       stage_context (pipeline_stage.hpp): stream, slot, stage, device, chunk, scratch
 //       group stage: void(dev_in, dev_out, const group_context& g): one launch for a group of
-//                 g.chunks consecutive chunks (with options.group_bytes; below)
+//                 g.chunks consecutive chunks (with options.memory.group_bytes; below)
 //       fallback: void(std::size_t chunk, std::span<const float> in, std::span<float> out)
 //                 computes a chunk on the host when the GPU cannot (optional)
 //
@@ -25,7 +25,7 @@
 //               (page-locked spans are copied directly; pageable ones through the slot)
 //   Afterwards: pipe.stats() (latency percentiles among them), pipe.failures() (the run's
 //               degradation records), pipe.write_report(path) (pipeline_report.hpp: all of it,
-//               with the options and the device, as JSON; options.report_path: on failure)
+//               with the options and the device, as JSON; options.recovery.report_path: on failure)
 //
 // Stages are chained: stage 0 reads the chunk's device input, each later stage reads the
 // previous stage's output, and the last writes the chunk's device output, which goes D2H. With
@@ -123,34 +123,33 @@
 // timed out), and what a post-mortem needs: the chunk, the configuration, the streams and the
 // chunk's host and device pointers. The run (or session) keeps the last 256 records
 // (failures()); write_report() dumps them with the options, stats and device as JSON, and with
-// options.report_path set a failed batch (a level-2 step, or pipeline_error) writes it there
-// when it ends, and a streaming session after each level-2 step.
+// options.recovery.report_path set a failed batch (a level-2 step, or pipeline_error) writes it
+// there when it ends, and a streaming session after each level-2 step.
 //
 // Latency: stats().latency gives per-chunk p50, p90, p99 (nearest rank, over the last 65536
 // chunks) and the maximum: in a batch from a chunk's first enqueue attempt to its output in
 // place, in streaming from submit() to next() delivering it (latency_summary). The samples go
 // into a window reserved when the run begins: recording a chunk allocates nothing.
 //
-// Chunk groups (options.group_bytes; 0, the default, is off). Small chunks are limited by what
-// is paid per chunk, not by the link: a copy call, a launch (~3.4 us of host time), events and a
-// scheduler wait each. With group_bytes set, G = group_bytes / chunk bytes consecutive chunks
-// (at most 256; chunks of group_bytes or more are not grouped) move as one unit: each slot holds
-// G chunks back to back (depth x G chunks of device memory, and of pinned memory for streaming),
-// and a group takes one H2D copy, one D2H copy, one set of event waits and records and one wait
-// on the host. Groups apply to batches over pinned ranges; a batch that stages pageable ranges
-// moves one chunk per flight (its staging rings and workers move chunks; the slots then use
-// their first chunk, and graph mode runs such chunks plainly, the slots' graphs being a
-// group's). A group stage (group_context) is called once per group: one launch; a per-chunk
-// stage is called once per chunk of the group, in order, on the group's stream; in graph mode a
-// full group's copies and launches are one graph per slot (a short last group runs plainly).
-// Per chunk as before: results, stats (chunks, gpu/fallback/failed chunks), latency samples,
-// the fallback (a group given up hands each of its chunks to it once, in order), the
-// pipeline_error lists and recovery's count. Per group: retries, chunk_timeout (the wait is the
-// group's), depth (slots are slot groups), the degradation records (chunk_failure::chunks), the
-// alert window and the trace and timeline ranges (named by the group's first chunk).
-// pipeline_options::default_group_bytes (4 MiB) suits 64 KiB .. 1 MiB chunks; grouping is
-// opt-in because it multiplies each slot's memory by G and changes the unit of slot reuse,
-// retries and records. Streaming in a grouped pipeline: acquire() hands out the chunks of a
+// Chunk groups (options.memory.group_bytes; 0, the default, is off). Small chunks are limited by
+// what is paid per chunk, not by the link: a copy call, a launch (~3.4 us of host time), events and
+// a scheduler wait each. With group_bytes set, G = group_bytes / chunk bytes consecutive chunks (at
+// most 256; chunks of group_bytes or more are not grouped) move as one unit: each slot holds G
+// chunks back to back (depth x G chunks of device memory, and of pinned memory for streaming), and
+// a group takes one H2D copy, one D2H copy, one set of event waits and records and one wait on the
+// host. Groups apply to batches over pinned ranges; a batch that stages pageable ranges moves one
+// chunk per flight (its staging rings and workers move chunks; the slots then use their first
+// chunk, and graph mode runs such chunks plainly, the slots' graphs being a group's). A group stage
+// (group_context) is called once per group: one launch; a per-chunk stage is called once per chunk
+// of the group, in order, on the group's stream; in graph mode a full group's copies and launches
+// are one graph per slot (a short last group runs plainly). Per chunk as before: results, stats
+// (chunks, gpu/fallback/failed chunks), latency samples, the fallback (a group given up hands each
+// of its chunks to it once, in order), the pipeline_error lists and recovery's count. Per group:
+// retries, chunk_timeout (the wait is the group's), depth (slots are slot groups), the degradation
+// records (chunk_failure::chunks), the alert window and the trace and timeline ranges (named by the
+// group's first chunk). pipeline_options::default_group_bytes (4 MiB) suits 64 KiB .. 1 MiB chunks;
+// grouping is opt-in because it multiplies each slot's memory by G and changes the unit of slot
+// reuse, retries and records. Streaming in a grouped pipeline: acquire() hands out the chunks of a
 // slot group in order, and submit() holds chunks back until a run of consecutive full chunks
 // (the last may be short) can go as one flight: when the group is used up, a chunk is short or
 // cannot join the run, next() needs the run's first chunk, close() is called, or acquire() is
@@ -241,8 +240,8 @@ public:
     /// grouped pipeline, once every chunk of its slot group was given back).
     using result = detail::pipeline_result<In, Out>;
 
-    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, several
-    ///         stages with In != Out, or stage_streams with compute_streams != 1; cuda_error
+    /// @throws usage_error for options that validate() refuses (pipeline_options), no stages or
+    ///         an empty one, or several stages with In != Out; cuda_error
     pipeline(pipeline_options options, std::vector<stage> stages, fallback on_gpu_failure = {})
         : m_core(std::move(options), std::move(stages), std::move(on_gpu_failure)), m_batch(m_core),
           m_stream(m_core) {}
@@ -255,16 +254,12 @@ public:
         m_core.synchronize();
     }
 
-    /// Output elements of a chunk with `inputs` input elements.
-    [[nodiscard]] std::size_t output_count(std::size_t inputs) const noexcept {
-        return m_core.output_count(inputs);
-    }
-    /// Output elements for `inputs` input elements in chunks.
+    /// Output elements for `inputs` input elements in chunks (for one chunk: its output count).
     [[nodiscard]] std::size_t output_size(std::size_t inputs) const noexcept {
         const pipeline_options& o = m_core.options;
         std::size_t full = inputs / o.chunk_elements;
         std::size_t rest = inputs % o.chunk_elements;
-        return full * o.output_elements + (rest != 0 ? output_count(rest) : 0);
+        return full * o.output_elements + (rest != 0 ? m_core.output_count(rest) : 0);
     }
 
     /// Runs `in` through the pipeline into `out` (output_size(in.size()) elements).
@@ -396,7 +391,8 @@ public:
     [[nodiscard]] stream_ref d2h_stream() const noexcept { return m_core.d2h; }
     /// Compute stream `i` (chunks take them in turn; with stage_streams, stage i's stream); graph
     /// replays run on per-slot streams of the same priority.
-    /// @throws usage_error when i >= options().compute_streams (with stage_streams: the number
+    /// @throws usage_error when i >= options().streams.compute_streams (with stage_streams: the
+    /// number
     ///         of stages)
     [[nodiscard]] stream_ref compute_stream(std::size_t i) const {
         if (i >= m_core.compute.size()) {

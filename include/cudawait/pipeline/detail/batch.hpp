@@ -7,8 +7,8 @@
 // copies on worker threads off the scheduler's thread (detail/pipeline_staging.hpp), one chunk
 // per flight.
 //
-// With chunk groups (options.group_bytes) and pinned host ranges the unit started, awaited and
-// retired is a group of up to G consecutive chunks (detail/pipeline_group.hpp plans them): one
+// With chunk groups (options.memory.group_bytes) and pinned host ranges the unit started, awaited
+// and retired is a group of up to G consecutive chunks (detail/pipeline_group.hpp plans them): one
 // flight, one wait. What is per chunk stays per chunk: the chunks' states, stats (chunks,
 // gpu_chunks, fallback_chunks, failed_chunks), latency samples (from the group's first try),
 // recovery's clean count, the fallback (a group given up hands each of its chunks to it once)
@@ -79,7 +79,7 @@ public:
         b.taken.assign(n, {});
         if (!b.runahead()) {
             scheduler* sched = co_await this_scheduler_ptr();
-            m_staging.begin(*sched, k.options.timeline, *k.pool, k.options.depth,
+            m_staging.begin(*sched, k.options.monitoring.timeline, *k.pool, k.options.depth,
                             k.options.chunk_elements, k.options.output_elements, !pinned_in,
                             !pinned_out);
         }
@@ -120,7 +120,7 @@ public:
                         abandon_gpu(b, error);
                         continue;
                     }
-                    if (++b.attempts[next] <= k.options.max_retries) {
+                    if (++b.attempts[next] <= k.options.recovery.max_retries) {
                         // Level 1: let everything in flight finish, then retry with one slot fewer.
                         ++stats.retries;
                         while (!b.inflight.empty()) {
@@ -219,7 +219,7 @@ private:
             return;
         }
         trace_range r("fallback", c);
-        timeline_scope span(m_core.options.timeline, "fallback", "fallback", c);
+        timeline_scope span(m_core.options.monitoring.timeline, "fallback", "fallback", c);
         m_core.on_gpu_failure(c, chunk_in(b, c), chunk_out(b, c));
         b.state[c] = chunk_state::fallback;
         ++stats.fallback_chunks;
@@ -411,7 +411,7 @@ private:
             flight& f = b.inflight.front();
             bool landed = true;
             try {
-                co_await await_completion(event_ref(f.done), k.options.chunk_timeout);
+                co_await await_completion(event_ref(f.done), k.options.recovery.chunk_timeout);
             } catch (const timeout_error&) {
                 landed = false;
             } catch (const cuda_error&) {
@@ -443,9 +443,9 @@ private:
         {
             // Spans the await: a start/end range, which other coroutines' ranges cannot close.
             trace_async_range r("wait", f.chunk);
-            timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
+            timeline_scope span(k.options.monitoring.timeline, "wait", "wait", f.chunk);
             try {
-                co_await await_completion(event_ref(f.done), k.options.chunk_timeout);
+                co_await await_completion(event_ref(f.done), k.options.recovery.chunk_timeout);
             } catch (const timeout_error& e) {
                 error.timed_out = true;
                 error.exception = std::current_exception();
@@ -467,7 +467,7 @@ private:
         }
         // Timed out. The work cannot be cancelled, so it is waited for again, with less
         // concurrency for what follows; past the retries the chunk is given up.
-        if (++b.attempts[f.chunk] <= k.options.max_retries) {
+        if (++b.attempts[f.chunk] <= k.options.recovery.max_retries) {
             ++stats.retries;
             k.lower_depth();
             k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);

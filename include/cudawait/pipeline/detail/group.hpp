@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Chunk groups (pipeline_options::group_bytes): how many chunks move as one unit, and which
-// elements a group covers. Pure arithmetic, so that it is tested without a device.
+// Chunk groups (pipeline_options::memory_options::group_bytes): how many chunks move as one unit,
+// and which elements a group covers. Pure arithmetic, so that it is tested without a device.
 //
 // A group is a run of consecutive chunks of a batch. Its chunks lie back to back in the host
 // ranges (chunk c at c x chunk_elements in the input, c x output_elements in the output) and

@@ -13,9 +13,9 @@
 // a producer that holds several slots never blocks on a lowered depth. recover_after clean
 // chunks raise it again by one.
 //
-// Chunk groups (options.group_bytes, G chunks per slot group). A slot group holds G chunks, and
-// acquire() hands them out in order, one input_slot per chunk: the producer fills chunk j of the
-// group at j x chunk_elements of its pinned input, so that consecutive submissions are
+// Chunk groups (options.memory.group_bytes, G chunks per slot group). A slot group holds G chunks,
+// and acquire() hands them out in order, one input_slot per chunk: the producer fills chunk j of
+// the group at j x chunk_elements of its pinned input, so that consecutive submissions are
 // contiguous. submit() does not enqueue at once: it holds the chunk back in a run (one flight
 // once sent) of chunks submitted one after the other into consecutive chunks of one slot group,
 // all full but the last (a group stage's layout: group_context). The run goes to the GPU as one
@@ -330,7 +330,7 @@ public:
                 // An earlier chunk of the run saw it complete.
             } else if (!error.failed() && !k.gpu_abandoned) {
                 trace_async_range r("wait", sf.f.chunk);
-                timeline_scope span(k.options.timeline, "wait", "wait", sf.f.chunk);
+                timeline_scope span(k.options.monitoring.timeline, "wait", "wait", sf.f.chunk);
                 for (;;) {
                     wait_outcome w = co_await wait_for(sf.f, deadline);
                     if (sf.landed) {
@@ -357,9 +357,9 @@ public:
                     }
                     error.timed_out = true;
                     error.exception =
-                        std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
+                        std::make_exception_ptr(timeout_error(k.options.recovery.chunk_timeout));
                     error.what = "chunk did not complete within chunk_timeout";
-                    if (++sf.waits > k.options.max_retries) {
+                    if (++sf.waits > k.options.recovery.max_retries) {
                         give_up_timed_out(it, error, consumed); // throws
                     }
                     // Level 1: the work cannot be cancelled; it is waited for again, with less
@@ -412,7 +412,7 @@ public:
                                      {}, {it.seq});
             }
             trace_range r("fallback", it.seq);
-            timeline_scope span(k.options.timeline, "fallback", "fallback", it.seq);
+            timeline_scope span(k.options.monitoring.timeline, "fallback", "fallback", it.seq);
             // A chunk submitted with views: the caller's spans, staged or not.
             std::span<const In> in = input_of(it.slot, it.position).first(it.count);
             std::span<Out> out = output_of(it.slot, it.position, it.output_count);
@@ -511,7 +511,7 @@ private:
 
     // Chunks submitted and not taken: queue_capacity groups' worth.
     [[nodiscard]] std::size_t capacity() const noexcept {
-        return m_core.options.queue_capacity * m_core.group_chunks;
+        return m_core.options.memory.queue_capacity * m_core.group_chunks;
     }
 
     // `it` extends the run: the next chunk of the same slot group, after a full one.
@@ -646,7 +646,7 @@ private:
             } catch (const cuda_error& e) {
                 error = chunk_error_of(e);
             }
-            if (error.sticky || attempt >= k.options.max_retries) {
+            if (error.sticky || attempt >= k.options.recovery.max_retries) {
                 f.error = std::move(error);
                 break;
             }
@@ -672,7 +672,7 @@ private:
 
     // Waits for f's completion until the caller's deadline or chunk_timeout, whichever is first.
     task<wait_outcome> wait_for(flight& f, std::optional<clock::time_point> deadline) {
-        const std::chrono::nanoseconds limit = m_core.options.chunk_timeout;
+        const std::chrono::nanoseconds limit = m_core.options.recovery.chunk_timeout;
         std::optional<clock::time_point> until = deadline;
         bool by_caller = deadline.has_value();
         if (limit.count() > 0 && (!deadline || clock::now() + limit < *deadline)) {
