@@ -123,6 +123,40 @@ TEST(multi_pipeline, bad_options_are_usage_errors) {
     }
 }
 
+// multi_pipeline_options::validate() names the field, per_shard's as a path into it, and the
+// multi_pipeline calls it before any CUDA call.
+TEST(multi_pipeline, validate_names_the_field) {
+    const multi_pipeline_options good = options_for({0}, 1, 1024);
+    EXPECT_NO_THROW(good.validate());
+    auto message = [](const multi_pipeline_options& o) {
+        try {
+            multi_t m(o, {transform_stage()});
+        } catch (const usage_error& e) {
+            return std::string(e.what());
+        } catch (const cudawait::cuda_error&) {
+            // without a device: the options passed
+        }
+        return std::string();
+    };
+    multi_pipeline_options o = good;
+    o.shards_per_device = 0;
+    EXPECT_EQ(message(o).rfind("multi_pipeline_options.shards_per_device must be at least 1", 0),
+              0u)
+        << message(o);
+    o = good;
+    o.devices = {0, 1, 0};
+    EXPECT_EQ(message(o).rfind("multi_pipeline_options.devices", 0), 0u) << message(o);
+    o = good;
+    o.per_shard.recovery.chunk_timeout = -1ms;
+    EXPECT_EQ(message(o), "multi_pipeline_options.per_shard.recovery.chunk_timeout must be >= 0");
+    EXPECT_THROW(o.validate(), usage_error);
+    o = good;
+    o.per_shard.streams.stage_streams = true;
+    o.per_shard.streams.compute_streams = 3;
+    EXPECT_EQ(message(o).rfind("multi_pipeline_options.per_shard.streams.compute_streams", 0), 0u)
+        << message(o);
+}
+
 TEST(multi_pipeline, the_staging_pool_of_every_device_is_the_default_one_for_now) {
     EXPECT_EQ(&cudawait::detail::staging_pool_for_device(0), &cudawait::default_pinned_pool());
     EXPECT_EQ(&cudawait::detail::staging_pool_for_device(3), &cudawait::default_pinned_pool());

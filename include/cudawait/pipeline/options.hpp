@@ -198,8 +198,8 @@ struct pipeline_options {
         /// Compute streams; chunks take them in turn.
         unsigned compute_streams = 1;
         /// Stream priorities; unset: compute streams highest, copy streams lowest.
-        std::optional<int> compute_priority;
-        std::optional<int> transfer_priority;
+        std::optional<int> compute_priority{};
+        std::optional<int> transfer_priority{};
         /// Each stage on its own compute stream (stage k of every chunk on stream k), so that
         /// stage k of one chunk runs while stage k+1 of the chunk before it does. Needs
         /// compute_streams == 1; graph replays are not affected (pipeline.hpp).
@@ -246,7 +246,7 @@ struct pipeline_options {
         double utilisation_fraction = 0.8;
         /// Chunks (with chunk groups: groups) per alert window.
         std::size_t alert_window = 8;
-        std::function<void(const pipeline_alert&)> on_alert;
+        std::function<void(const pipeline_alert&)> on_alert{};
         /// Records what ran where into this timeline (timeline.hpp): each chunk's GPU stage
         /// spans (which needs the timing events, so stats() then has stage times as with
         /// `timing`) and its host spans. nullptr: nothing is recorded. It must outlive the
@@ -266,12 +266,12 @@ struct pipeline_options {
         /// low.
         unsigned recover_after = 16;
         /// Called for each degradation step; unset: one line on stderr.
-        std::function<void(const chunk_failure&)> on_degrade;
+        std::function<void(const chunk_failure&)> on_degrade{};
         /// Where a post-mortem report (report.hpp) is written when a batch ends with a level-2
         /// degradation or throws pipeline_error, and after each level-2 degradation in a
         /// streaming session (rewritten each time). Best effort: a write failure is reported on
         /// stderr, never thrown. Empty: no report.
-        std::string report_path;
+        std::string report_path{};
     };
 
     /// Slots, each with its own device (and if needed pinned) buffers: 2 = double buffering.
@@ -284,10 +284,11 @@ struct pipeline_options {
     /// Replay each slot's work as a CUDA graph (full chunks; a short last chunk runs plainly).
     /// With chunk groups, full groups replay; a short last group runs plainly.
     bool graph = false;
-    stream_options streams;
-    memory_options memory;
-    monitoring_options monitoring;
-    recovery_options recovery;
+    // Each with an initialiser, so that a designated initialiser may leave any of them out.
+    stream_options streams{};
+    memory_options memory{};
+    monitoring_options monitoring{};
+    recovery_options recovery{};
 
     /// A group size that makes 64 KiB .. 1 MiB chunks move at close to the link's rate.
     static constexpr std::size_t default_group_bytes = std::size_t{4} << 20;
