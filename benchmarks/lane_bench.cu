@@ -25,13 +25,11 @@
 //     lane_sm                co_await copy(dst, src, options) with options.sm_copy_bytes =
 //                            64 KiB: the library's small lane, its copy made by the SMs
 //                            (detail/sm_copy.hpp)
-//     lane_pieces_<P>MiB     lane, while the pipeline copies its chunks in pieces of P MiB
-//                            (pipeline_options::copy_piece_bytes, P = 4)
 //     round_trip             no copy: an event recorded on the small lane's stream, awaited.
 //                            The least any awaited GPU work takes, so its ratio is the floor
 //                            under every copy's (printed for information)
 //   Bulk (BM_bulk/<setting>, seconds per run of kBulkBytes each way):
-//     alone_whole, alone_pieces_<P>MiB   the pipeline alone, whole chunks or pieces, interleaved
+//     alone_whole                        the pipeline alone
 //     with_<variant>                     the runs made while <variant>'s small copies ran
 //
 // How a small-copy sample is taken. One coroutine repeats: fill the 4 KiB source with new
@@ -99,14 +97,13 @@ constexpr double kRampChunks = 3; ///< chunk times at either end of a batch that
 constexpr int kMaxBulkRuns = 400; ///< batches per variant before settling for fewer
 /// Steady small copies per direction below which a variant's figures mean nothing.
 constexpr std::size_t kMinSamples = 32;
-constexpr std::int64_t kBulkRounds = 5; ///< interleaved runs of each pipeline alone
-constexpr std::size_t kPieceMiB[] = {4};
+constexpr std::int64_t kBulkRounds = 5;     ///< interleaved runs of each pipeline alone
 constexpr std::size_t kOutputStride = 4096; ///< one checked output element per this many
 constexpr float kA = 1.5f;
 constexpr float kB = 0.25f;
 
 constexpr double kLatencyTarget = 1.5; ///< under bulk / idle, at most (median)
-constexpr double kBulkTarget = 0.98;   ///< bulk with small copies or pieces / alone, at least
+constexpr double kBulkTarget = 0.98;   ///< bulk with small copies / alone, at least
 
 enum class kind {
     plain,
@@ -123,30 +120,25 @@ enum class kind {
 struct variant {
     std::string name;
     kind how;
-    std::size_t piece_bytes; ///< the pipeline's copy_piece_bytes under bulk
 };
 
 std::vector<variant> variants() {
-    std::vector<variant> v = {{"plain", kind::plain, 0},
-                              {"high_priority", kind::high_priority, 0},
-                              {"lane", kind::lane, 0},
-                              {"lane_engine", kind::lane_engine, 0},
-                              {"lane_pageable", kind::lane_pageable, 0},
-                              {"lane_pageable_direct", kind::lane_pageable_direct, 0},
-                              {"sm_copy", kind::sm_copy, 0},
-                              {"lane_sm", kind::lane_sm, 0}};
-    for (std::size_t p : kPieceMiB) {
-        v.push_back({"lane_pieces_" + std::to_string(p) + "MiB", kind::lane, p * 1_MiB});
-    }
-    v.push_back({"round_trip", kind::round_trip, 0});
-    return v;
+    return {{"plain", kind::plain},
+            {"high_priority", kind::high_priority},
+            {"lane", kind::lane},
+            {"lane_engine", kind::lane_engine},
+            {"lane_pageable", kind::lane_pageable},
+            {"lane_pageable_direct", kind::lane_pageable_direct},
+            {"sm_copy", kind::sm_copy},
+            {"lane_sm", kind::lane_sm},
+            {"round_trip", kind::round_trip}};
 }
 
 // ---- results shared with the summary printed by main() ---------------------------------------
 
 /// "<variant>/<h2d|d2h>_<idle|bulk>" -> latencies in seconds.
 std::map<std::string, std::vector<double>> g_latency;
-/// "alone_whole", "alone_pieces_<P>MiB", "with_<variant>" -> seconds per batch.
+/// "alone_whole", "with_<variant>" -> seconds per batch.
 std::map<std::string, std::vector<double>> g_bulk;
 bool g_measured = false;
 std::string g_measure_error; ///< why the measurement failed, once: not tried again
@@ -216,11 +208,10 @@ struct bulk_data {
     }
 };
 
-std::unique_ptr<float_pipeline> make_pipeline(std::size_t piece_bytes) {
+std::unique_ptr<float_pipeline> make_pipeline() {
     cudawait::pipeline_options o;
     o.depth = kDepth;
     o.chunk_elements = kChunk;
-    o.copy_piece_bytes = piece_bytes;
     return std::make_unique<float_pipeline>(std::move(o),
                                             std::vector<float_pipeline::stage>{light_stage{}});
 }
@@ -461,10 +452,6 @@ cudawait::task<void> one_batch(float_pipeline* pipe, bulk_data* data) {
 
 // ---- the measurement ---------------------------------------------------------------------------
 
-std::string piece_name(std::size_t piece_bytes) {
-    return piece_bytes == 0 ? "alone_whole" : "alone_pieces_" + size_name(piece_bytes);
-}
-
 void measure_once();
 
 /// Everything is measured together, by the first benchmark that runs; a failure is reported
@@ -490,25 +477,14 @@ void measure_once() {
     cudawait::scheduler sched(cudawait::poll_policy::spinning()); // outlives the pipelines
     bulk_data data;
     small_context small;
-    std::map<std::size_t, std::unique_ptr<float_pipeline>> pipes;
-    std::vector<std::size_t> settings(1 + std::size(kPieceMiB), 0);
-    std::size_t setting = 1;
-    for (std::size_t p : kPieceMiB) {
-        settings[setting++] = p * 1_MiB; // settings[0]: whole chunks
-    }
-    for (std::size_t p : settings) {
-        pipes[p] = make_pipeline(p);
-    }
+    std::unique_ptr<float_pipeline> pipe = make_pipeline();
 
-    // The pipeline alone, every setting interleaved; every run checked.
-    std::vector<std::string> names;
-    for (std::size_t p : settings) {
-        names.push_back(piece_name(p));
-    }
+    // The pipeline alone; every run checked.
+    const std::vector<std::string> names = {"alone_whole"};
     runs_by_variant alone = interleaved(kBulkRounds, names, [&](std::size_t i) {
         data.poison_checked();
-        const double secs = time_host(
-            [&] { cudawait::sync_wait(sched, one_batch(pipes[settings[i]].get(), &data)); });
+        const double secs =
+            time_host([&] { cudawait::sync_wait(sched, one_batch(pipe.get(), &data)); });
         data.check(names[i]);
         return secs;
     });
@@ -541,8 +517,8 @@ void measure_once() {
         std::atomic<bool> stop{false};
         const unsigned long long sm_bulk_before = cudawait::detail::sm_copies_enqueued.load();
         cudawait::sync_wait(
-            sched, cudawait::when_all(bulk_runs(pipes[v.piece_bytes].get(), &data, ramp, &log,
-                                                &windows, &runs, &stop, "bulk with " + v.name),
+            sched, cudawait::when_all(bulk_runs(pipe.get(), &data, ramp, &log, &windows, &runs,
+                                                &stop, "bulk with " + v.name),
                                       small_copies(&small, v.how, 0, &stop, &log, v.name)));
         auto [h2d, d2h] = steady_latencies(log, windows);
         const unsigned long long sm_bulk =
@@ -617,9 +593,6 @@ void register_benchmarks() {
         }
     }
     std::vector<std::string> bulk = {"alone_whole"};
-    for (std::size_t p : kPieceMiB) {
-        bulk.push_back(piece_name(p * 1_MiB));
-    }
     for (const variant& v : variants()) {
         bulk.push_back("with_" + v.name);
     }
@@ -737,23 +710,13 @@ void print_summary() {
 
     std::printf("\nThe pipeline's throughput, input GB/s (median of its batches of %s)\n",
                 size_name(kBulkBytes).c_str());
-    std::vector<std::string> alone = {"alone_whole"};
-    for (std::size_t p : kPieceMiB) {
-        alone.push_back(piece_name(p * 1_MiB));
-    }
-    for (const std::string& k : alone) {
-        print_row(k, 40, {{bulk_gbps(k), 8, 2, " GB/s"}});
-    }
+    print_row("alone_whole", 40, {{bulk_gbps("alone_whole"), 8, 2, " GB/s"}});
     for (const variant& v : variants()) {
         print_row("with_" + v.name, 40, {{bulk_gbps("with_" + v.name), 8, 2, " GB/s"}});
     }
-    for (std::size_t p : kPieceMiB) {
-        print_ratio("pieces of " + size_name(p * 1_MiB) + " / whole chunks",
-                    bulk_gbps(piece_name(p * 1_MiB)), bulk_gbps("alone_whole"), kBulkTarget);
-    }
     for (const variant& v : variants()) {
         print_ratio("bulk with small copies (" + v.name + ") / alone", bulk_gbps("with_" + v.name),
-                    bulk_gbps(piece_name(v.piece_bytes)), kBulkTarget);
+                    bulk_gbps("alone_whole"), kBulkTarget);
     }
     std::fflush(stdout);
 }

@@ -44,9 +44,10 @@
 //                                           best depth
 //      Summary table and target: at 1 MiB the better of plain and graph >= 0.85 x the 64 MiB
 //      throughput (both at the specified depths); the same with the best depths for information.
-//      Chunks of 1 MiB or less also run in chunk groups (pipeline_options::group_bytes =
-//      default_group_bytes, 4 MiB: 64, 16 and 4 chunks per group), at the specified depth, in
-//      their own interleaved rounds after the table's (one warm-up run each):
+//      Chunks of 1 MiB or less also run in chunk groups
+//      (pipeline_options::memory_options::group_bytes = default_group_bytes, 4 MiB: 64, 16 and 4
+//      chunks per group), at the specified depth, in their own interleaved rounds after the table's
+//      (one warm-up run each):
 //        BM_chunk/<size>/grouped            the light per-chunk stage, groups of chunks: one
 //                                           copy each way per group, a launch per chunk
 //        BM_chunk/<size>/grouped_graph      the same in graph mode: one graph (the group's
@@ -70,7 +71,8 @@
 //      Summary: GB/s of each; pageable / pinned (for information); pageable / host-copy bound
 //      (>= 0.85); registered / pinned (>= 0.9); and the registration's cost ("registration: Y
 //      ms for Z GiB").
-//   5. Stage statistics, depth 3, 64 MiB chunks, options.timing = true (a separate pipeline; one
+//   5. Stage statistics, depth 3, 64 MiB chunks, options.monitoring.timing = true (a separate
+//   pipeline; one
 //      warm-up run, then one run whose stats() are printed; not used in any ratio):
 //        BM_stats_timing/light, /heavy      h2d_gbps, d2h_gbps, compute_to_transfer,
 //                                           overlap_efficiency, link_peak_gbps,
@@ -279,7 +281,7 @@ int g_devices = 1;                           ///< visible devices, counted at re
 
 std::map<std::string, double> g_stream_gbps; ///< section 7: "depth<d>" -> GB/s
 
-/// One run with options.timing = true.
+/// One run with options.monitoring.timing = true.
 struct timed_stats {
     cudawait::pipeline_stats stats;
     std::size_t suggested_elements = 0;
@@ -326,11 +328,11 @@ workload& work_data() {
 std::unique_ptr<float_pipeline> make_pipeline(work w, unsigned depth, std::size_t chunk, bool graph,
                                               bool timing, cudawait::timeline* tl = nullptr) {
     cudawait::pipeline_options o;
-    o.timeline = tl;
+    o.monitoring.timeline = tl;
     o.depth = depth;
     o.chunk_elements = chunk;
     o.graph = graph;
-    o.timing = timing;
+    o.monitoring.timing = timing;
     std::vector<float_pipeline::stage> stages;
     if (w == work::light) {
         stages.emplace_back(light_stage{});
@@ -356,7 +358,7 @@ std::unique_ptr<float_pipeline> make_grouped_pipeline(std::size_t variant, unsig
     cudawait::pipeline_options o;
     o.depth = depth;
     o.chunk_elements = chunk;
-    o.group_bytes =
+    o.memory.group_bytes =
         variant == 3 ? kLargeGroupBytes : cudawait::pipeline_options::default_group_bytes;
     o.graph = variant == 1;
     std::vector<float_pipeline::stage> stages;
@@ -682,7 +684,8 @@ void BM_host_memory(benchmark::State& state, std::string variant) {
     });
 }
 
-// ---- 5. stage statistics with options.timing ----------------------------------------------------
+// ---- 5. stage statistics with options.monitoring.timing
+// ----------------------------------------------------
 
 timed_stats measure_stats(work wk) {
     workload& w = work_data();
@@ -842,7 +845,7 @@ runs_by_variant measure_stream_small() {
         cudawait::pipeline_options o;
         o.depth = d;
         o.chunk_elements = item;
-        o.queue_capacity = 2 * std::size_t{d};
+        o.memory.queue_capacity = 2 * std::size_t{d};
         std::vector<float_pipeline::stage> stages;
         stages.emplace_back(light_stage{});
         return std::make_unique<float_pipeline>(std::move(o), std::move(stages));
@@ -851,8 +854,8 @@ runs_by_variant measure_stream_small() {
         cudawait::pipeline_options o;
         o.depth = c.depth;
         o.chunk_elements = item;
-        o.group_bytes = cudawait::pipeline_options::default_group_bytes;
-        o.queue_capacity = 2 * std::size_t{c.depth}; // groups
+        o.memory.group_bytes = cudawait::pipeline_options::default_group_bytes;
+        o.memory.queue_capacity = 2 * std::size_t{c.depth}; // groups
         std::vector<float_pipeline::stage> stages;
         if (c.group_stage) {
             stages.emplace_back(light_group_stage{});
@@ -1231,9 +1234,10 @@ void print_stats_summary() {
     if (g_stats.empty()) {
         return;
     }
-    std::printf("\n5. pipeline::stats() with options.timing = true, depth %u, 64 MiB chunks, "
-                "one run after a warm-up\n   (a separate pipeline; not used in any ratio above)\n",
-                kStatsDepth);
+    std::printf(
+        "\n5. pipeline::stats() with options.monitoring.timing = true, depth %u, 64 MiB chunks, "
+        "one run after a warm-up\n   (a separate pipeline; not used in any ratio above)\n",
+        kStatsDepth);
     for (const char* k : {"light", "heavy"}) {
         auto it = g_stats.find(k);
         if (it == g_stats.end()) {

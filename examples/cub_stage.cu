@@ -52,7 +52,7 @@ int main() {
         cudawait::pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.scratch_bytes = temp_bytes; // per slot, allocated once
+        o.memory.scratch_bytes = temp_bytes; // per slot, allocated once
         cudawait::pipeline<u32> pipe(o, {scan_stage});
 
         std::vector<u32> in(n);

@@ -87,9 +87,9 @@ int main() {
         cudawait::pipeline_options opt;
         opt.chunk_elements = chunk;
         opt.depth = 3;
-        opt.timing = true;
+        opt.monitoring.timing = true;
         bool link_described = false; // an alert is read against the link: print it once
-        opt.on_alert = [&](const cudawait::pipeline_alert& a) {
+        opt.monitoring.on_alert = [&](const cudawait::pipeline_alert& a) {
             std::printf("  alert (%s, %s): %.1f GB/s, peak %.1f GB/s\n",
                         std::string(cudawait::to_string(a.kind)).c_str(), a.direction,
                         a.achieved_gbps, a.peak_gbps);
@@ -120,7 +120,7 @@ int main() {
         // What ran where: the same run with a timeline attached (a pipeline of its own, since
         // the options are fixed at construction; the timeline outlives it).
         cudawait::timeline tl;
-        opt.timeline = &tl;
+        opt.monitoring.timeline = &tl;
         {
             cudawait::pipeline<float> traced(opt, {demo::launch_saxpy});
             std::fill(out.begin(), out.end(), 0.0f);

@@ -1,12 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// copy_lane.hpp: the per-device transfer streams, the pipeline's copies in pieces
-// (pipeline_options::copy_piece_bytes, detail/copy_pieces.hpp) that let a small copy pass
-// between them, and small copies made by the SMs (copy_options::sm_copy_bytes,
-// detail/sm_copy.hpp). Copies through the lanes, element by element, are in copy_test.cpp.
+// copy_lane.hpp: the per-device transfer streams and small copies made by the SMs
+// (copy_options::sm_copy_bytes, detail/sm_copy.hpp). Copies through the lanes, element by
+// element, are in copy_test.cpp.
 #include <cudawait/copy/copy.hpp>
 #include <cudawait/copy/copy_lane.hpp>
 #include <cudawait/copy/detail/bulk_streams.hpp>
-#include <cudawait/copy/detail/copy_pieces.hpp>
 #include <cudawait/copy/detail/sm_copy.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/sync_wait.hpp>
@@ -60,7 +58,6 @@ TEST(copy_lane, names_and_the_default_threshold) {
     EXPECT_EQ(cudawait::to_string(copy_direction::d2h), "d2h");
     EXPECT_EQ(cudawait::copy_options{}.small_bytes, 64_KiB);
     EXPECT_EQ(cudawait::copy_options{}.busy_sm_copy_bytes, 64_KiB);
-    EXPECT_EQ(cudawait::pipeline_options{}.copy_piece_bytes, 0u) << "whole chunks by default";
 }
 
 TEST(copy_lane, without_a_device_the_lanes_are_a_cuda_error) {
@@ -260,69 +257,6 @@ TEST_F(copy_lane_gpu, a_lane_copy_does_not_wait_for_the_callers_streams) {
     EXPECT_EQ(back, want);
     busy.sync();
     ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
-}
-
-// The pieces: every byte arrives, for a size that is a multiple of the piece, one that is not,
-// one piece, and 0 (one copy), both directions.
-TEST_F(copy_lane_gpu, a_copy_in_pieces_is_exact) {
-    cudawait::stream s;
-    const std::size_t n = (1_MiB + 4100) / 4;
-    const std::size_t bytes = n * sizeof(u32);
-    auto want = random_words(n, 6);
-    cudawait::pinned_buffer<u32> in(n);
-    cudawait::pinned_buffer<u32> out(n);
-    std::memcpy(in.data(), want.data(), bytes);
-    cudawait::device_buffer<u32> dev(n, s);
-    for (std::size_t piece :
-         {std::size_t{0}, std::size_t{4096}, std::size_t{1000}, 64_KiB + 4, bytes, 2 * bytes}) {
-        SCOPED_TRACE(piece);
-        ASSERT_EQ(cudaMemsetAsync(dev.data(), 0xcd, bytes, s.get()), cudaSuccess);
-        std::memset(out.data(), 0xab, bytes);
-        cudawait::detail::enqueue_in_pieces(dev.data(), in.data(), bytes, piece,
-                                            cudaMemcpyHostToDevice, s.get());
-        cudawait::detail::enqueue_in_pieces(out.data(), dev.data(), bytes, piece,
-                                            cudaMemcpyDeviceToHost, s.get());
-        s.sync();
-        ASSERT_EQ(std::memcmp(out.data(), want.data(), bytes), 0);
-    }
-}
-
-// A pipeline whose copies go in pieces computes every element as one without: chunks of an odd
-// size, pieces that do not divide them, a short last chunk, pinned and pageable memory.
-TEST_F(copy_lane_gpu, a_pipeline_copying_in_pieces_produces_every_element) {
-    using pipe_t = cudawait::pipeline<u32>;
-    constexpr u32 salt = 0x1a2e;
-    cudawait::pipeline_options o;
-    o.depth = 3;
-    o.chunk_elements = 300'001;
-    o.copy_piece_bytes = 64_KiB + 12;
-    pipe_t pipe(o, {[](std::span<u32> in, std::span<u32> out, cudawait::stream_ref s) {
-                    cudawait::check(cudawait::testing::launch_transform(
-                                        in.data(), out.data(), in.size(), salt, 0, s.get()),
-                                    "launch_transform");
-                }});
-    const std::size_t total = 7 * o.chunk_elements + 12'345;
-    auto in = random_words(total, 7);
-    // The kernel's `i` is the element's index within its chunk.
-    std::vector<u32> want(total);
-    for (std::size_t off = 0; off < total; off += o.chunk_elements) {
-        const std::size_t k = std::min(o.chunk_elements, total - off);
-        cudawait::testing::transform_on_host(in.data() + off, want.data() + off, k, salt);
-    }
-    cudawait::scheduler sched;
-
-    std::vector<u32> out(total, 0xdeadbeef);
-    cudawait::sync_wait(sched, pipe.run(std::span<const u32>(in), std::span<u32>(out)));
-    EXPECT_EQ(out, want) << "pageable";
-
-    cudawait::pinned_buffer<u32> pin_in(total);
-    cudawait::pinned_buffer<u32> pin_out(total);
-    std::memcpy(pin_in.data(), in.data(), total * sizeof(u32));
-    std::memset(pin_out.data(), 0xee, total * sizeof(u32));
-    cudawait::sync_wait(sched, pipe.run(std::span<const u32>(pin_in.data(), total),
-                                        std::span<u32>(pin_out.data(), total)));
-    EXPECT_EQ(std::memcmp(pin_out.data(), want.data(), total * sizeof(u32)), 0) << "pinned";
-    EXPECT_EQ(pipe.stats().gpu_chunks, 8u);
 }
 
 } // namespace

@@ -128,7 +128,7 @@ TEST(link, alert_kinds_have_names) {
     EXPECT_EQ(cudawait::to_string(cudawait::alert_kind::utilisation), "utilisation");
     cudawait::pipeline_alert a{"h2d", 1.0, 2.0, 8};
     EXPECT_EQ(a.kind, cudawait::alert_kind::bandwidth) << "the old four-field form stays valid";
-    EXPECT_EQ(pipeline_options{}.utilisation_fraction, 0.8);
+    EXPECT_EQ(pipeline_options{}.monitoring.utilisation_fraction, 0.8);
 }
 
 // ---- on a GPU ---------------------------------------------------------------------------------
@@ -166,11 +166,11 @@ pipeline_options utilisation_options(std::size_t chunk, alert_count& count) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 4;
-    o.timing = true;
-    o.alert_window = 4;
-    o.alert_fraction = 0.01; // no bandwidth alert: only the utilisation alert is watched
-    const double fraction = o.utilisation_fraction;
-    o.on_alert = [&count, fraction](const cudawait::pipeline_alert& a) {
+    o.monitoring.timing = true;
+    o.monitoring.alert_window = 4;
+    o.monitoring.alert_fraction = 0.01; // no bandwidth alert: only the utilisation alert is watched
+    const double fraction = o.monitoring.utilisation_fraction;
+    o.monitoring.on_alert = [&count, fraction](const cudawait::pipeline_alert& a) {
         ++count.all;
         if (a.kind == cudawait::alert_kind::utilisation) {
             ++count.utilisation;

@@ -60,10 +60,10 @@ TEST(cuda_mr_compat, a_newer_cccl_resource_becomes_a_device_resource) {
     EXPECT_FALSE(r.is_default());
     EXPECT_TRUE(r == r2);
     cudawait::pipeline_options o;
-    o.device_resource = ref;
-    EXPECT_FALSE(o.device_resource.is_default());
-    o.device_resource = nullptr;
-    EXPECT_TRUE(o.device_resource.is_default());
+    o.memory.device_resource = ref;
+    EXPECT_FALSE(o.memory.device_resource.is_default());
+    o.memory.device_resource = nullptr;
+    EXPECT_TRUE(o.memory.device_resource.is_default());
     EXPECT_EQ(counts.allocations.load(), 0);
 }
 

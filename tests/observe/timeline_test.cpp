@@ -680,7 +680,7 @@ TEST_F(timeline_gpu, a_pipeline_timeline_has_a_span_per_chunk_and_stage_and_the_
     }
     std::fill(out.begin(), out.end(), 0xdeadbeefu);
     timeline tl;
-    o.timeline = &tl;
+    o.monitoring.timeline = &tl;
     cudawait::pipeline<u32> p(o, {transform_stage(salt)});
     const std::int64_t t0 = tl.to_ns(clk::now());
     cudawait::sync_wait(sched, p.run(in.span(), out.span()));
@@ -766,7 +766,7 @@ TEST_F(timeline_gpu, pageable_ranges_show_stage_in_and_stage_out_per_chunk) {
     cudawait::pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.timeline = &tl;
+    o.monitoring.timeline = &tl;
     cudawait::pipeline<u32> p(o, {transform_stage(salt)});
     cudawait::scheduler sched;
     cudawait::sync_wait(sched, p.run(in, out));

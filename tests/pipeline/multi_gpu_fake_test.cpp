@@ -224,8 +224,8 @@ std::vector<fake::launch_info> stage_launches() {
     return out;
 }
 
-// A plain pipeline with options.device = 1, driven by a thread with device 0 current: its stage
-// is called with device 1 current, and its launches on the chunk's stream (of device 1) are
+// A plain pipeline with options.streams.device = 1, driven by a thread with device 0 current: its
+// stage is called with device 1 current, and its launches on the chunk's stream (of device 1) are
 // accepted, for a batch (pinned and pageable) and streaming; no chunk degrades, and device 0 is
 // current again after each call. (Graphs: the fake supports no stream capture.)
 TEST_F(two_devices, a_pipeline_on_device_1_calls_its_stages_with_device_1_current) {
@@ -233,11 +233,11 @@ TEST_F(two_devices, a_pipeline_on_device_1_calls_its_stages_with_device_1_curren
     auto calls = std::make_shared<std::vector<stage_call>>();
     std::size_t degraded = 0;
     cudawait::pipeline_options o;
-    o.device = 1;
+    o.streams.device = 1;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.max_retries = 0;
-    o.on_degrade = [&](const cudawait::chunk_failure&) { ++degraded; };
+    o.recovery.max_retries = 0;
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure&) { ++degraded; };
     cudawait::pipeline<u32> p(
         o, {[calls](std::span<u32> in, std::span<u32> out, const cudawait::stage_context& ctx) {
             calls->push_back({ctx.chunk, 1, in.size(), out.size(), current_device(), ctx.device});
@@ -340,8 +340,8 @@ TEST_F(two_devices, a_multi_pipeline_calls_a_group_stage_once_per_group_on_each_
     o.devices = {0, 1};
     o.per_shard.chunk_elements = chunk;
     o.per_shard.depth = 2;
-    o.per_shard.max_retries = 0;
-    o.per_shard.group_bytes = group * chunk * sizeof(u32);
+    o.per_shard.recovery.max_retries = 0;
+    o.per_shard.memory.group_bytes = group * chunk * sizeof(u32);
     multi_t m(o, {[calls](std::span<u32> in, std::span<u32> out, const cudawait::group_context& g) {
                   calls->push_back(
                       {g.first_chunk, g.chunks, in.size(), out.size(), current_device(), g.device});

@@ -123,6 +123,40 @@ TEST(multi_pipeline, bad_options_are_usage_errors) {
     }
 }
 
+// multi_pipeline_options::validate() names the field, per_shard's as a path into it, and the
+// multi_pipeline calls it before any CUDA call.
+TEST(multi_pipeline, validate_names_the_field) {
+    const multi_pipeline_options good = options_for({0}, 1, 1024);
+    EXPECT_NO_THROW(good.validate());
+    auto message = [](const multi_pipeline_options& o) {
+        try {
+            multi_t m(o, {transform_stage()});
+        } catch (const usage_error& e) {
+            return std::string(e.what());
+        } catch (const cudawait::cuda_error&) {
+            // without a device: the options passed
+        }
+        return std::string();
+    };
+    multi_pipeline_options o = good;
+    o.shards_per_device = 0;
+    EXPECT_EQ(message(o).rfind("multi_pipeline_options.shards_per_device must be at least 1", 0),
+              0u)
+        << message(o);
+    o = good;
+    o.devices = {0, 1, 0};
+    EXPECT_EQ(message(o).rfind("multi_pipeline_options.devices", 0), 0u) << message(o);
+    o = good;
+    o.per_shard.recovery.chunk_timeout = -1ms;
+    EXPECT_EQ(message(o), "multi_pipeline_options.per_shard.recovery.chunk_timeout must be >= 0");
+    EXPECT_THROW(o.validate(), usage_error);
+    o = good;
+    o.per_shard.streams.stage_streams = true;
+    o.per_shard.streams.compute_streams = 3;
+    EXPECT_EQ(message(o).rfind("multi_pipeline_options.per_shard.streams.compute_streams", 0), 0u)
+        << message(o);
+}
+
 TEST(multi_pipeline, the_staging_pool_of_every_device_is_the_default_one_for_now) {
     EXPECT_EQ(&cudawait::detail::staging_pool_for_device(0), &cudawait::default_pinned_pool());
     EXPECT_EQ(&cudawait::detail::staging_pool_for_device(3), &cudawait::default_pinned_pool());
@@ -414,7 +448,7 @@ TEST_F(multi_gpu, a_group_stage_is_called_once_per_group_with_the_whole_group) {
     auto want = expected(in, chunk);
     auto calls = std::make_shared<std::vector<group_call>>();
     multi_pipeline_options o = options_for({0}, 2, chunk, 2);
-    o.per_shard.group_bytes = group * chunk * sizeof(u32);
+    o.per_shard.memory.group_bytes = group * chunk * sizeof(u32);
     multi_t m(o, {recording_group_stage(calls)});
     // A batch over pinned ranges moves whole groups.
     pinned_buffer<u32> pin(n);
@@ -474,13 +508,13 @@ TEST_F(two_gpus, a_pipeline_on_device_1_runs_its_stages_there_while_the_thread_i
         auto calls = std::make_shared<std::vector<group_call>>();
         int degraded = 0;
         cudawait::pipeline_options o;
-        o.device = 1;
+        o.streams.device = 1;
         o.chunk_elements = chunk;
         o.depth = 2;
         o.graph = mode == 1;
-        o.group_bytes = mode == 2 ? 4 * chunk * sizeof(u32) : 0;
-        o.max_retries = 0;
-        o.on_degrade = [&](const cudawait::chunk_failure&) { ++degraded; };
+        o.memory.group_bytes = mode == 2 ? 4 * chunk * sizeof(u32) : 0;
+        o.recovery.max_retries = 0;
+        o.recovery.on_degrade = [&](const cudawait::chunk_failure&) { ++degraded; };
         ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
         cudawait::pipeline<u32> p(
             o, {mode == 2 ? recording_group_stage(calls) : transform_stage(wrong_device)});
@@ -567,7 +601,7 @@ TEST_F(multi_gpu, device_resource_for_gives_each_shard_its_devices_resource) {
         // Each shard's slots: input and output of depth 2, and the probe.
         EXPECT_GE(counts.allocations.load(), 2 * (2 * 2 + 1));
         EXPECT_EQ(counts.deallocations.load(), 2) << "the probes went back";
-        EXPECT_FALSE(m.shard(1).options().device_resource.is_default());
+        EXPECT_FALSE(m.shard(1).options().memory.device_resource.is_default());
         cudawait::scheduler sched;
         cudawait::sync_wait(sched, m.run(in, out));
     }
@@ -631,7 +665,7 @@ TEST_F(two_gpus, a_resource_of_one_device_is_refused_for_another_and_taken_per_d
     one_device_resource on1(1);
     const std::size_t chunk = 20'000;
     multi_pipeline_options o = options_for({0, 1}, 1, chunk, 2);
-    o.per_shard.device_resource = on0;
+    o.per_shard.memory.device_resource = on0;
     try {
         multi_t m(o, {transform_stage()});
         ADD_FAILURE() << "device 0's resource was taken for a shard on device 1";
@@ -640,7 +674,7 @@ TEST_F(two_gpus, a_resource_of_one_device_is_refused_for_another_and_taken_per_d
                   std::string::npos)
             << e.what();
     }
-    o.per_shard.device_resource = {};
+    o.per_shard.memory.device_resource = {};
     o.device_resource_for = [&](int dev) {
         return dev == 0 ? cudawait::device_resource(on0) : cudawait::device_resource(on1);
     };
@@ -812,7 +846,7 @@ TEST_F(multi_gpu, acquire_and_next_timeouts_take_nothing_and_keep_the_order) {
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     multi_pipeline_options o = options_for({0}, 2, chunk, 1);
-    o.per_shard.queue_capacity = 1;
+    o.per_shard.memory.queue_capacity = 1;
     // Call 0 is shard 0's first chunk: stuck until the flag.
     multi_t m(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
     EXPECT_THROW((void)m.acquire(-1ns), usage_error) << "thrown at the call";
@@ -876,11 +910,11 @@ TEST_F(multi_gpu, a_chunk_on_degrade_refused_to_wait_for_again_stays_first_in_li
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     multi_pipeline_options o = options_for({0}, 2, chunk, 1);
-    o.per_shard.chunk_timeout = 30ms;
-    o.per_shard.max_retries = 1000;
+    o.per_shard.recovery.chunk_timeout = 30ms;
+    o.per_shard.recovery.max_retries = 1000;
     struct degrade_refused {};
     int refused = 0;
-    o.per_shard.on_degrade = [&](const cudawait::chunk_failure& f) {
+    o.per_shard.recovery.on_degrade = [&](const cudawait::chunk_failure& f) {
         if (f.action == cudawait::degrade_action::waited_again) {
             ++refused;
             throw degrade_refused{};
@@ -947,9 +981,9 @@ TEST_F(multi_gpu, acquire_skips_a_shard_whose_gpu_was_abandoned) {
     multi_pipeline_options o = options_for({0}, 2, chunk, 2);
     // Shard 0's first chunk hangs past chunk_timeout with no retry: the shard reports it failed
     // and gives its GPU up (failed_timed_out).
-    o.per_shard.chunk_timeout = 50ms;
-    o.per_shard.max_retries = 0;
-    o.per_shard.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.per_shard.recovery.chunk_timeout = 50ms;
+    o.per_shard.recovery.max_retries = 0;
+    o.per_shard.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     multi_t m(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
     cudawait::scheduler sched;
     std::vector<std::string> seen;
@@ -1054,8 +1088,8 @@ TEST_F(multi_gpu, a_chunk_shard_0_gives_up_is_rescued_by_shard_1) {
     cudaStream_t shard0_stream = nullptr; // set once the pipeline exists
     auto failed_calls = std::make_shared<int>(0);
     multi_pipeline_options o = options_for({0}, 2, chunk, 3);
-    o.per_shard.max_retries = 1;
-    o.per_shard.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.per_shard.recovery.max_retries = 1;
+    o.per_shard.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     std::vector<std::size_t> fallback_calls;
     multi_t m(o,
               {failing_stage(
@@ -1098,8 +1132,8 @@ TEST_F(multi_gpu, a_streamed_chunk_shard_0_gives_up_is_rescued_in_its_turn) {
     }
     cudaStream_t shard0_stream = nullptr;
     multi_pipeline_options o = options_for({0}, 2, chunk, 2);
-    o.per_shard.max_retries = 0;
-    o.per_shard.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.per_shard.recovery.max_retries = 0;
+    o.per_shard.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     std::size_t fallback_calls = 0;
     // Shard 0's submission 1 is global chunk 2 (round-robin over two shards).
     multi_t m(o,
@@ -1149,8 +1183,8 @@ TEST_F(multi_gpu, a_chunk_every_shard_fails_goes_to_the_users_fallback_with_its_
     auto want = expected(in, chunk);
     cudaStream_t shard1_stream = nullptr;
     multi_pipeline_options o = options_for({0}, 2, chunk, 2);
-    o.per_shard.max_retries = 0;
-    o.per_shard.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.per_shard.recovery.max_retries = 0;
+    o.per_shard.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     // Shard 0's chunk k fails everywhere but on shard 1's own stream, where shard 1's chunk k
     // (global 4 + k) runs: so only global chunk k fails, on shard 0 and in its rescue.
     auto fails = [&](const cudawait::stage_context& ctx) {
@@ -1183,8 +1217,8 @@ TEST_F(multi_gpu, without_a_fallback_a_chunk_no_shard_produced_is_named_in_the_e
     auto want = expected(in, chunk);
     cudaStream_t shard1_stream = nullptr;
     multi_pipeline_options o = options_for({0}, 2, chunk, 2);
-    o.per_shard.max_retries = 0;
-    o.per_shard.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.per_shard.recovery.max_retries = 0;
+    o.per_shard.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     multi_t m(o, {failing_stage(
                      [&](const cudawait::stage_context& ctx) {
                          return ctx.chunk == k && ctx.stream.get() != shard1_stream;

@@ -6,7 +6,8 @@ namespace {
 using namespace cudawait::testing::pipeline_checks;
 } // namespace
 
-// ---- chunk groups (pipeline_options::group_bytes) ----------------------------------------------
+// ---- chunk groups (pipeline_options::memory_options::group_bytes)
+// ----------------------------------------------
 
 namespace {
 
@@ -171,7 +172,7 @@ TEST_P(pipeline_grouped, every_element_is_right_and_stats_count_chunks) {
     pipeline_options o;
     o.depth = c.depth;
     o.chunk_elements = c.chunk;
-    o.group_bytes = c.group_bytes;
+    o.memory.group_bytes = c.group_bytes;
     o.graph = c.graph;
     std::vector<pipe_t::stage> stages;
     switch (c.kind) {
@@ -266,8 +267,8 @@ TEST_F(pipeline_gpu, a_group_stage_is_told_the_chunks_of_its_group) {
     pipeline_options o;
     o.depth = 3;
     o.chunk_elements = chunk;
-    o.group_bytes = 64_KiB;
-    o.scratch_bytes = 512;
+    o.memory.group_bytes = 64_KiB;
+    o.memory.scratch_bytes = 512;
     pipe_t::stage counting = [per_chunk](std::span<u32> a, std::span<u32> b,
                                          const cudawait::stage_context& ctx) {
         per_chunk->push_back(ctx.chunk);
@@ -341,10 +342,10 @@ TEST_F(pipeline_gpu, a_failing_group_hands_each_of_its_chunks_to_the_fallback_on
         std::vector<cudawait::chunk_failure> records;
         pipeline_options o;
         o.chunk_elements = chunk;
-        o.group_bytes = 64_KiB;
+        o.memory.group_bytes = 64_KiB;
         o.depth = 3;
-        o.max_retries = 2;
-        o.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
+        o.recovery.max_retries = 2;
+        o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
         pipe_t::fallback fb;
         if (with_fallback) {
             fb = [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
@@ -408,7 +409,7 @@ TEST_F(pipeline_gpu, streaming_small_items_through_a_grouped_pipeline_stays_in_o
     for (bool graph : {false, true}) {
         pipeline_options o;
         o.chunk_elements = chunk;
-        o.group_bytes = 64_KiB;
+        o.memory.group_bytes = 64_KiB;
         o.depth = 3;
         o.graph = graph;
         pipe_t p(o, {transform_stage()});
@@ -447,7 +448,7 @@ TEST_F(pipeline_gpu, grouped_pinned_and_per_chunk_staged_batches_alternate_on_on
         auto calls = std::make_shared<std::vector<group_call>>();
         pipeline_options o;
         o.chunk_elements = chunk;
-        o.group_bytes = 64_KiB;
+        o.memory.group_bytes = 64_KiB;
         o.depth = 3;
         o.graph = graph;
         pipe_t pipe(o, {recording_group_stage{calls}});
@@ -513,10 +514,10 @@ TEST_F(pipeline_gpu, a_staged_batch_in_a_grouped_pipeline_fails_single_chunks) {
     std::vector<cudawait::chunk_failure> records;
     pipeline_options o;
     o.chunk_elements = chunk;
-    o.group_bytes = 64_KiB;
+    o.memory.group_bytes = 64_KiB;
     o.depth = 3;
-    o.max_retries = 1;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
+    o.recovery.max_retries = 1;
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
     pipe_t p(o, {failing_group_stage{9, failures}},
              [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
                  fallback_calls.push_back(c);
@@ -569,10 +570,10 @@ struct grouped_stream_setup {
     pipeline_options options(unsigned depth, bool graph) const {
         pipeline_options o;
         o.chunk_elements = 4096;
-        o.group_bytes = 64_KiB;
+        o.memory.group_bytes = 64_KiB;
         o.depth = depth;
         o.graph = graph;
-        o.chunk_timeout = 20s; // a wait that hangs fails the test instead of hanging it
+        o.recovery.chunk_timeout = 20s; // a wait that hangs fails the test instead of hanging it
         return o;
     }
 };
@@ -828,8 +829,8 @@ TEST_F(pipeline_gpu, streaming_in_groups_hands_each_chunk_of_a_failed_run_to_the
         std::vector<cudawait::chunk_failure> records;
         grouped_stream_setup setup;
         pipeline_options o = setup.options(3, false);
-        o.max_retries = 1;
-        o.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
+        o.recovery.max_retries = 1;
+        o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { records.push_back(f); };
         pipe_t::fallback fb;
         if (with_fallback) {
             fb = [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
@@ -885,9 +886,9 @@ TEST_F(pipeline_gpu, streaming_in_groups_keeps_timeouts_per_chunk_and_gives_up_r
     }
     grouped_stream_setup setup;
     pipeline_options o = setup.options(2, false);
-    o.chunk_timeout = 100ms;
-    o.max_retries = 0;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.chunk_timeout = 100ms;
+    o.recovery.max_retries = 0;
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     pipe_t p(o, {transform_stage(300'000'000)}); // 0.3 s per chunk: past chunk_timeout
     cudawait::scheduler sched;
     cudawait::sync_wait(sched, [&]() -> cudawait::task<void> {
@@ -927,7 +928,7 @@ TEST_F(pipeline_gpu, streaming_in_groups_defers_what_on_degrade_throws_in_close_
     grouped_stream_setup setup;
     pipeline_options o = setup.options(2, false);
     int degrade_calls = 0;
-    o.on_degrade = [&](const cudawait::chunk_failure&) {
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure&) {
         if (degrade_calls++ == 0) {
             throw std::runtime_error("on_degrade refused");
         }
@@ -993,9 +994,9 @@ TEST(pipeline_views, only_adjacent_pieces_of_the_slot_merge) {
     EXPECT_EQ(static_cast<char*>(v[5].dst) - dev, 300);
 }
 
-// The batch's arrays: each piece cut at piece_bytes (0: whole), in order, empty ones left out,
-// and the arrays are laid out anew each time.
-TEST(pipeline_views, the_batch_cuts_pieces_at_piece_bytes_in_order) {
+// The batch's arrays: one copy per piece, in order, empty ones left out, and the arrays are
+// laid out anew each time.
+TEST(pipeline_views, the_batch_lays_out_one_copy_per_piece_in_order) {
     alignas(16) static char host[4096];
     alignas(16) static char dev[4096];
     const std::vector<copy_piece> pieces = {{dev, host, 1000, true},
@@ -1003,22 +1004,17 @@ TEST(pipeline_views, the_batch_cuts_pieces_at_piece_bytes_in_order) {
                                             {dev + 1000, host + 3000, 300, false},
                                             {dev + 1300, host + 100, 256, false}};
     copy_batch b;
-    b.lay_out(pieces, 0);
-    ASSERT_EQ(b.sizes().size(), 3u);
-    EXPECT_EQ(b.sizes()[0], 1000u);
-    EXPECT_EQ(b.srcs()[1], host + 3000);
-    EXPECT_EQ(b.dsts()[2], dev + 1300);
-    b.lay_out(pieces, 256);
-    const std::vector<std::size_t> sizes = {256, 256, 256, 232, 256, 44, 256};
-    const std::vector<std::ptrdiff_t> src = {0, 256, 512, 768, 3000, 3256, 100};
-    const std::vector<std::ptrdiff_t> dst = {0, 256, 512, 768, 1000, 1256, 1300};
+    b.lay_out(pieces);
+    const std::vector<std::size_t> sizes = {1000, 300, 256};
+    const std::vector<std::ptrdiff_t> src = {0, 3000, 100};
+    const std::vector<std::ptrdiff_t> dst = {0, 1000, 1300};
     ASSERT_EQ(b.sizes().size(), sizes.size());
     for (std::size_t i = 0; i < sizes.size(); ++i) {
         EXPECT_EQ(b.sizes()[i], sizes[i]) << "copy " << i;
         EXPECT_EQ(static_cast<char*>(b.srcs()[i]) - host, src[i]) << "copy " << i;
         EXPECT_EQ(static_cast<char*>(b.dsts()[i]) - dev, dst[i]) << "copy " << i;
     }
-    b.lay_out(std::span<const copy_piece>(pieces).first(1), 4096);
+    b.lay_out(std::span<const copy_piece>(pieces).first(1));
     ASSERT_EQ(b.sizes().size(), 1u);
     EXPECT_EQ(b.sizes()[0], 1000u);
 }
@@ -1107,8 +1103,8 @@ TEST_F(pipeline_gpu, streamed_views_of_pinned_registered_and_pageable_memory_are
                 pipeline_options o;
                 o.chunk_elements = item;
                 o.depth = 3;
-                o.group_bytes = grouped ? 64_KiB : 0; // 4 items per slot group
-                o.chunk_timeout = 20s;
+                o.memory.group_bytes = grouped ? 64_KiB : 0; // 4 items per slot group
+                o.recovery.chunk_timeout = 20s;
                 pipe_t p(o, {transform_stage()});
                 const auto [produced, placed] = cudawait::sync_wait(
                     sched, cudawait::when_all(produce_views<pipe_t, u32, u32>(
@@ -1248,8 +1244,8 @@ TEST_F(pipeline_gpu, views_carry_outputs_of_another_type_and_size) {
             o.output_elements = 1;
             o.depth = 2;
             o.graph = graph;
-            o.group_bytes = grouped ? 64_KiB : 0;
-            o.chunk_timeout = 20s;
+            o.memory.group_bytes = grouped ? 64_KiB : 0;
+            o.recovery.chunk_timeout = 20s;
             sum_pipe p(o, {[](std::span<u32> in, std::span<word_sum> out, cudawait::stream_ref s) {
                            cudawait::check(cudawait::testing::launch_sum(
                                                in.data(), in.size(),
@@ -1296,10 +1292,10 @@ TEST_F(pipeline_gpu, the_fallback_takes_a_failed_view_chunk_into_its_output) {
             pipeline_options o;
             o.chunk_elements = item;
             o.depth = 2;
-            o.max_retries = 0;
-            o.chunk_timeout = 20s;
-            o.on_degrade = [](const cudawait::chunk_failure&) {};
-            o.group_bytes = grouped ? 64_KiB : 0;
+            o.recovery.max_retries = 0;
+            o.recovery.chunk_timeout = 20s;
+            o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
+            o.memory.group_bytes = grouped ? 64_KiB : 0;
             auto failures = std::make_shared<int>(0);
             pipe_t::stage stage =
                 grouped ? pipe_t::stage(failing_group_stage{5, failures})
@@ -1361,7 +1357,7 @@ TEST_F(pipeline_gpu, bad_views_are_usage_errors_and_the_slot_stays_usable) {
     pipeline_options o;
     o.chunk_elements = item;
     o.depth = 2;
-    o.chunk_timeout = 20s;
+    o.recovery.chunk_timeout = 20s;
     pipe_t p(o, {transform_stage()});
     const auto words = random_words(item + 1, 1900);
     pinned_buffer<u32> in(item + 1);

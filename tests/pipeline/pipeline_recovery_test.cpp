@@ -28,8 +28,8 @@ TEST_F(pipeline_gpu, streaming_hands_a_failed_chunk_to_the_fallback_in_order) {
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
-        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        o.recovery.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
+        o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
         auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2});
         pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
                  with_fallback ? pipe_t::fallback(host_fallback) : pipe_t::fallback{});
@@ -68,7 +68,7 @@ TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     auto calls = std::make_shared<int>(0);
     pipe_t p(o, {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{3}), calls)},
              host_fallback);
@@ -122,8 +122,8 @@ TEST_F(pipeline_gpu, a_chunk_that_keeps_failing_goes_to_the_fallback_exactly_onc
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.max_retries = 2;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 2;
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
              [&](std::size_t c, std::span<const u32> a, std::span<u32> b) {
                  fallback_calls.push_back(c);
@@ -147,8 +147,8 @@ TEST_F(pipeline_gpu, without_a_fallback_the_error_says_which_chunks_completed) {
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2, 3, 4});
     pipeline_options o;
     o.chunk_elements = chunk;
-    o.max_retries = 2;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 2;
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))});
     std::vector<u32> out(n, 0xdeadbeefu);
     cudawait::scheduler sched;
@@ -179,9 +179,9 @@ TEST_F(pipeline_gpu, a_timeout_lowers_concurrency_and_the_gpu_still_delivers) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.chunk_timeout = 60ms;
-    o.max_retries = 10;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.chunk_timeout = 60ms;
+    o.recovery.max_retries = 10;
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     // Chunk 2's kernel takes 300 ms: several timeouts, then it finishes.
     pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
                  std::uint64_t spin = (*calls)++ == 2 ? 300'000'000 : 0;
@@ -222,10 +222,10 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.chunk_timeout = 30ms;
-    o.max_retries = 1;
+    o.recovery.chunk_timeout = 30ms;
+    o.recovery.max_retries = 1;
     std::vector<cudawait::chunk_failure> log;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     const u32* flag = release_flag.device_data();
     pipe_t p(o, {[calls, flag](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
                  if ((*calls)++ == 1) { // chunk 1 waits for the host: "hangs"
@@ -294,8 +294,8 @@ TEST_F(pipeline_gpu, a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.chunk_timeout = 10s;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.chunk_timeout = 10s;
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     // 150 ms per kernel, one after the other: the first wait starts while all four are queued.
     pipe_t p(o, {transform_stage(150'000'000)},
              [&](std::size_t c, std::span<const u32>, std::span<u32> b) {
@@ -331,7 +331,7 @@ TEST_F(pipeline_gpu, a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     int failures = 0;
     try {
         pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
@@ -391,8 +391,8 @@ TEST_F(pipeline_gpu, a_failed_chunk_count_in_the_batch_error_matches_its_lists) 
     auto in = random_words(n, 30);
     pipeline_options o;
     o.chunk_elements = chunk;
-    o.max_retries = 0; // each failed launch is final: chunks 1, 4, 5 and 9 fail
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 0; // each failed launch is final: chunks 1, 4, 5 and 9 fail
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{1, 4, 5, 9});
     pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))});
     std::vector<u32> out(n, 0xdeadbeefu);
@@ -433,8 +433,8 @@ TEST_F(pipeline_gpu, a_failed_chunk_whose_fallback_throws_reaches_run_and_leaks_
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.max_retries = 0;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 0;
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     // Chunk 5's launch fails; chunks 0..4 (slow kernels, pinned ranges: all started) are still in
     // flight when the fallback throws.
     auto calls = std::make_shared<int>(0);
@@ -495,8 +495,8 @@ TEST_F(pipeline_gpu, a_throwing_fallback_with_chunks_in_flight_leaks_no_event_in
         o.chunk_elements = chunk;
         o.depth = 3;
         o.graph = m.graph;
-        o.max_retries = 0;
-        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        o.recovery.max_retries = 0;
+        o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
         // Stage calls: one per chunk in plain mode, one per slot's capture in graph mode; either
         // way call 2 is chunk 2's.
         auto calls = std::make_shared<int>(0);
@@ -565,8 +565,8 @@ TEST_F(pipeline_gpu,
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2});
     pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
              [](std::size_t c, std::span<const u32>, std::span<u32>) {
@@ -600,7 +600,7 @@ TEST_F(pipeline_gpu,
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     int failures = 0;
     try {
         pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
@@ -906,34 +906,19 @@ TEST(pipeline_report, an_empty_report_is_json_with_every_section) {
     const std::string s = os.str();
     EXPECT_TRUE(json_check(s).valid()) << s;
     for (std::string_view key :
-         {"\"options\":{",
-          "\"stats\":{",
-          "\"failures\":[]",
-          "\"device\":{\"id\":0",
-          "\"depth\":2",
-          "\"chunk_elements\":0",
-          "\"output_elements\":0",
-          "\"compute_streams\":1",
-          "\"compute_priority\":null",
-          "\"transfer_priority\":null",
-          "\"graph\":false",
-          "\"timing\":false",
-          "\"stage_streams\":false",
-          "\"scratch_bytes\":0",
-          "\"chunk_timeout_ns\":0",
-          "\"max_retries\":2",
-          "\"recover_after\":16",
-          "\"utilisation_fraction\":0.80000000000000004",
-          "\"timeline\":false",
-          "\"recoveries\":0",
-          "\"queue_capacity\":0",
-          "\"pool\":null",
-          "\"report_path\":\"\"",
-          "\"gpu_chunks\":0",
-          "\"wall_seconds\":0",
-          "\"overlap_efficiency\":0",
-          "\"gpu_abandoned\":false",
-          "\"alerts\":0",
+         {"\"options\":{", "\"stats\":{", "\"failures\":[]", "\"device\":{\"id\":0",
+          // The options, nested as pipeline_options is.
+          "\"options\":{\"depth\":2,\"chunk_elements\":0,\"output_elements\":0,\"graph\":false,"
+          "\"streams\":{\"device\":0,\"compute_streams\":1,\"compute_priority\":null,"
+          "\"transfer_priority\":null,\"stage_streams\":false},"
+          "\"memory\":{\"scratch_bytes\":0,\"group_bytes\":0,\"queue_capacity\":0,\"pool\":null},"
+          "\"monitoring\":{\"timing\":false,\"alert_fraction\":0.59999999999999998,"
+          "\"utilisation_fraction\":0.80000000000000004,\"alert_window\":8,\"on_alert\":false,"
+          "\"timeline\":false},"
+          "\"recovery\":{\"chunk_timeout_ns\":0,\"max_retries\":2,\"recover_after\":16,"
+          "\"on_degrade\":false,\"report_path\":\"\"}}",
+          "\"recoveries\":0", "\"gpu_chunks\":0", "\"wall_seconds\":0", "\"overlap_efficiency\":0",
+          "\"gpu_abandoned\":false", "\"alerts\":0",
           "\"latency\":{\"p50_seconds\":0,\"p90_seconds\":0,\"p99_seconds\":0,"
           "\"max_seconds\":0,\"samples\":0}",
           "\"name\":"}) {
@@ -945,9 +930,9 @@ TEST(pipeline_report, a_failure_is_written_with_every_field) {
     pipeline_options o;
     o.depth = 3;
     o.chunk_elements = 1000;
-    o.compute_priority = -2;
-    o.chunk_timeout = 250ms;
-    o.report_path = "/tmp/a \"quoted\" path";
+    o.streams.compute_priority = -2;
+    o.recovery.chunk_timeout = 250ms;
+    o.recovery.report_path = "/tmp/a \"quoted\" path";
     cudawait::pipeline_stats st;
     st.chunks = 8;
     st.latency = {0.001, 0.002, 0.003, 0.004, 8};
@@ -1030,9 +1015,9 @@ TEST_F(pipeline_gpu, a_batch_that_gives_a_chunk_to_the_fallback_writes_the_repor
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.max_retries = 0; // the first failure goes to the fallback (level 2)
-    o.report_path = fresh_path("batch_failure");
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 0; // the first failure goes to the fallback (level 2)
+    o.recovery.report_path = fresh_path("batch_failure");
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     pipe_t p(o,
              {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{3}),
                           std::make_shared<int>(0))},
@@ -1053,8 +1038,8 @@ TEST_F(pipeline_gpu, a_batch_that_gives_a_chunk_to_the_fallback_writes_the_repor
     EXPECT_EQ(f.action, cudawait::degrade_action::fallback);
     EXPECT_EQ(f.error.status, bad_launch) << f.error.what;
 
-    ASSERT_TRUE(std::filesystem::exists(o.report_path)) << o.report_path;
-    const std::string r = read_file(o.report_path);
+    ASSERT_TRUE(std::filesystem::exists(o.recovery.report_path)) << o.recovery.report_path;
+    const std::string r = read_file(o.recovery.report_path);
     EXPECT_TRUE(json_check(r).valid()) << r;
     for (std::string key : {std::string("\"status\":\"") + cudaGetErrorName(bad_launch) + "\"",
                             "\"status_code\":" + std::to_string(static_cast<int>(bad_launch)),
@@ -1069,14 +1054,14 @@ TEST_F(pipeline_gpu, a_batch_that_gives_a_chunk_to_the_fallback_writes_the_repor
     std::ostringstream direct;
     p.write_report(direct);
     EXPECT_EQ(direct.str(), r) << "the file holds what write_report(out) writes";
-    std::filesystem::remove(o.report_path);
+    std::filesystem::remove(o.recovery.report_path);
 
     // A clean run after it: no records, and no report.
     std::vector<u32> out2(n, 0xdeadbeefu);
     cudawait::sync_wait(sched, p.run(in, out2));
     EXPECT_EQ(first_mismatch(out2, expected(in, chunk)), n);
     EXPECT_TRUE(p.failures().empty());
-    EXPECT_FALSE(std::filesystem::exists(o.report_path)) << "written without a failure";
+    EXPECT_FALSE(std::filesystem::exists(o.recovery.report_path)) << "written without a failure";
 }
 
 TEST_F(pipeline_gpu, a_batch_without_a_fallback_writes_the_report_before_throwing) {
@@ -1085,9 +1070,9 @@ TEST_F(pipeline_gpu, a_batch_without_a_fallback_writes_the_report_before_throwin
     auto in = random_words(n, 32);
     pipeline_options o;
     o.chunk_elements = chunk;
-    o.max_retries = 1;
-    o.report_path = fresh_path("batch_error");
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.recovery.max_retries = 1;
+    o.recovery.report_path = fresh_path("batch_error");
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     // Chunk 1 fails twice: a level-1 retry, then level 2 (reported failed).
     pipe_t p(o, {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{1, 2}),
                              std::make_shared<int>(0))});
@@ -1097,13 +1082,13 @@ TEST_F(pipeline_gpu, a_batch_without_a_fallback_writes_the_report_before_throwin
     ASSERT_EQ(p.failures().size(), 2u);
     EXPECT_EQ(p.failures()[0].action, cudawait::degrade_action::retried_with_less_depth);
     EXPECT_EQ(p.failures()[1].action, cudawait::degrade_action::failed);
-    ASSERT_TRUE(std::filesystem::exists(o.report_path));
-    const std::string r = read_file(o.report_path);
+    ASSERT_TRUE(std::filesystem::exists(o.recovery.report_path));
+    const std::string r = read_file(o.recovery.report_path);
     EXPECT_TRUE(json_check(r).valid()) << r;
     EXPECT_TRUE(contains(r, "\"action\":\"retried_with_less_depth\"")) << r;
     EXPECT_TRUE(contains(r, "\"level\":\"give_up\",\"action\":\"failed\"")) << r;
     EXPECT_TRUE(contains(r, "\"failed_chunks\":1")) << r;
-    std::filesystem::remove(o.report_path);
+    std::filesystem::remove(o.recovery.report_path);
 }
 
 TEST_F(pipeline_gpu, latency_percentiles_after_a_clean_batch_and_a_stream) {
@@ -1113,7 +1098,7 @@ TEST_F(pipeline_gpu, latency_percentiles_after_a_clean_batch_and_a_stream) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.report_path = fresh_path("clean");
+    o.recovery.report_path = fresh_path("clean");
     pipe_t p(o, {transform_stage(100'000)}, host_fallback);
     std::vector<u32> out(n, 0xdeadbeefu);
     cudawait::scheduler sched;
@@ -1140,7 +1125,7 @@ TEST_F(pipeline_gpu, latency_percentiles_after_a_clean_batch_and_a_stream) {
     EXPECT_EQ(st.gpu_chunks, 10u);
     expect_ordered_latency(st.latency, 10);
     EXPECT_GE(st.latency.max_seconds, 100e-6);
-    EXPECT_FALSE(std::filesystem::exists(o.report_path)) << "written without a failure";
+    EXPECT_FALSE(std::filesystem::exists(o.recovery.report_path)) << "written without a failure";
 }
 
 TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
@@ -1153,9 +1138,9 @@ TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.report_path = fresh_path(with_fallback ? "stream_fallback" : "stream_failed");
-        o.max_retries = 0; // the failed launch goes straight to level 2, not to a retry
-        o.on_degrade = [](const cudawait::chunk_failure&) {};
+        o.recovery.report_path = fresh_path(with_fallback ? "stream_fallback" : "stream_failed");
+        o.recovery.max_retries = 0; // the failed launch goes straight to level 2, not to a retry
+        o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
         pipe_t p(o,
                  {flaky_stage(std::make_shared<std::vector<int>>(std::vector<int>{2}),
                               std::make_shared<int>(0))},
@@ -1168,19 +1153,19 @@ TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
         EXPECT_EQ(p.failures()[0].chunk, 2u);
         // Produced chunks count: 5 by the GPU, and the fallback's.
         expect_ordered_latency(p.stats().latency, with_fallback ? 6 : 5);
-        ASSERT_TRUE(std::filesystem::exists(o.report_path)) << o.report_path;
-        const std::string r = read_file(o.report_path);
+        ASSERT_TRUE(std::filesystem::exists(o.recovery.report_path)) << o.recovery.report_path;
+        const std::string r = read_file(o.recovery.report_path);
         EXPECT_TRUE(json_check(r).valid()) << r;
         EXPECT_TRUE(contains(r, "{\"chunk\":2,")) << r;
         EXPECT_TRUE(
             contains(r, with_fallback ? "\"action\":\"fallback\"" : "\"action\":\"failed\""))
             << r;
-        std::filesystem::remove(o.report_path);
+        std::filesystem::remove(o.recovery.report_path);
     }
 }
 
-// pipeline_options::device_resource: every device buffer of the slots comes from it, once, when
-// the pipeline is built; none per chunk; all go back to it when the pipeline goes.
+// pipeline_options::memory_options::device_resource: every device buffer of the slots comes from
+// it, once, when the pipeline is built; none per chunk; all go back to it when the pipeline goes.
 TEST_F(pipeline_gpu, the_slots_device_buffers_come_from_the_device_resource_once) {
 #if !CUDAWAIT_HAS_CUDA_MR
     GTEST_SKIP() << "cuda::mr is not available";
@@ -1204,9 +1189,9 @@ TEST_F(pipeline_gpu, the_slots_device_buffers_come_from_the_device_resource_once
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.scratch_bytes = c.scratch_bytes;
+        o.memory.scratch_bytes = c.scratch_bytes;
         o.graph = c.graph;
-        o.device_resource = counting;
+        o.memory.device_resource = counting;
         {
             pipe_t p(o, c.stages == 1 ? std::vector<pipe_t::stage>{transform_stage()}
                                       : chain(c.stages));

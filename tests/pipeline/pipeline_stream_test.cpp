@@ -239,7 +239,7 @@ TEST_F(pipeline_gpu, next_with_a_timeout_fails_on_time_and_the_chunk_stays_in_li
     o.chunk_elements = chunk;
     o.depth = 3;
     std::vector<cudawait::chunk_failure> log;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     pipe_t p(o, {flag_stage(release_flag.device_data(), 1, std::make_shared<int>(0))},
              host_fallback);
     cudawait::scheduler sched;
@@ -313,7 +313,7 @@ TEST_F(pipeline_gpu, acquire_with_a_timeout_fails_on_time_while_slots_and_queue_
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.queue_capacity = 2;
+    o.memory.queue_capacity = 2;
     pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
     cudawait::scheduler sched;
     double waited = 0;
@@ -362,7 +362,7 @@ TEST_F(pipeline_gpu, a_chunk_that_next_waits_for_keeps_its_place_in_the_queue) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.queue_capacity = 1;
+    o.memory.queue_capacity = 1;
     pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))});
     cudawait::scheduler sched;
     bool next_timed_out = false;
@@ -415,10 +415,10 @@ TEST_F(pipeline_gpu, slots_of_given_up_chunks_serve_the_producer_again) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.queue_capacity = 2;
-    o.chunk_timeout = 30ms;
-    o.max_retries = 0;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.memory.queue_capacity = 2;
+    o.recovery.chunk_timeout = 30ms;
+    o.recovery.max_retries = 0;
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))},
              host_fallback);
     cudawait::scheduler sched;
@@ -515,10 +515,10 @@ TEST_F(pipeline_gpu, giving_back_a_slot_group_given_up_allocates_nothing) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.group_bytes = 2 * chunk * sizeof(u32); // two chunks per slot group
-    o.chunk_timeout = 30ms;
-    o.max_retries = 0;
-    o.on_degrade = [](const cudawait::chunk_failure&) {};
+    o.memory.group_bytes = 2 * chunk * sizeof(u32); // two chunks per slot group
+    o.recovery.chunk_timeout = 30ms;
+    o.recovery.max_retries = 0;
+    o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     pipe_t p(o, {flag_stage(release_flag.device_data(), 0, std::make_shared<int>(0))},
              host_fallback);
     auto in = random_words(chunk, 570);
@@ -574,9 +574,9 @@ TEST_F(pipeline_gpu, streaming_retries_a_launch_error_with_less_depth_and_the_gp
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.recover_after = 0; // the depth stays lowered
+    o.recovery.recover_after = 0; // the depth stays lowered
     std::vector<cudawait::chunk_failure> log;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     std::vector<std::size_t> fallback_calls;
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2}); // chunk 2, first try
     pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))},
@@ -613,11 +613,11 @@ TEST_F(pipeline_gpu, streaming_waits_again_for_a_slow_chunk_with_less_depth) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.chunk_timeout = 60ms;
-    o.max_retries = 10;
-    o.recover_after = 0;
+    o.recovery.chunk_timeout = 60ms;
+    o.recovery.max_retries = 10;
+    o.recovery.recover_after = 0;
     std::vector<cudawait::chunk_failure> log;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     // Chunk 2's kernel takes 300 ms: several timeouts, then it finishes.
     pipe_t p(o, {[calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
                  std::uint64_t spin = (*calls)++ == 2 ? 300'000'000 : 0;
@@ -659,9 +659,9 @@ TEST_F(pipeline_gpu, streaming_keeps_a_chunk_waited_for_again_when_on_degrade_th
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.chunk_timeout = 40ms;
-    o.max_retries = 50;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) {
+    o.recovery.chunk_timeout = 40ms;
+    o.recovery.max_retries = 50;
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) {
         if (f.action == cudawait::degrade_action::waited_again) {
             ++thrown;
             throw degrade_refused{};
@@ -743,10 +743,10 @@ TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_o
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.chunk_timeout = 30ms;
-    o.max_retries = 1;
+    o.recovery.chunk_timeout = 30ms;
+    o.recovery.max_retries = 1;
     std::vector<cudawait::chunk_failure> log;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     pipe_t p(o, {flag_stage(release_flag.device_data(), 1, std::make_shared<int>(0))},
              host_fallback);
     cudawait::scheduler sched;
@@ -804,8 +804,8 @@ TEST_F(pipeline_gpu, streaming_delivers_the_gpu_output_when_a_wait_cannot_be_set
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.chunk_timeout = 10s;
-    o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+    o.recovery.chunk_timeout = 10s;
+    o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
     pipe_t p(o, {transform_stage(150'000'000)},
              [&](std::size_t c, std::span<const u32>, std::span<u32> b) {
                  fallback_calls.push_back(c);
@@ -854,9 +854,9 @@ TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streami
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.recover_after = 4;
+        o.recovery.recover_after = 4;
         std::vector<cudawait::chunk_failure> log;
-        o.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
+        o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
         // The first try of chunk 1 fails to launch: depth 3 -> 2, then 4 clean chunks: 3.
         auto fails = std::make_shared<std::vector<int>>(std::vector<int>{1});
         pipe_t p(o, {flaky_stage(fails, std::make_shared<int>(0))}, host_fallback);

@@ -3,6 +3,9 @@
 // NVTX headers before it would define weakly.
 #include "nvtx_recorder.hpp"
 // The rest.
+#include <functional>
+#include <limits>
+
 #include "pipeline_checks.hpp"
 
 namespace {
@@ -20,6 +23,82 @@ TEST(pipeline, bad_options_are_usage_errors) {
     o.depth = 2;
     EXPECT_THROW(pipe_t(o, {}), usage_error) << "no stages";
     EXPECT_THROW(pipe_t(o, {pipe_t::stage{}}), usage_error) << "an empty stage";
+}
+
+/// The message of the usage_error that `f` throws, or "" when it throws none.
+template <class F>
+std::string usage_error_of(F&& f) {
+    try {
+        f();
+    } catch (const usage_error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+// validate() states each rule between the fields and names the field that breaks it; the
+// pipeline calls it before any CUDA call. (A negative chunk_timeout, a negative or NaN alert
+// fraction and an alert window of 0 were accepted before.)
+TEST(pipeline_options, validate_names_the_field_of_each_rule) {
+    pipeline_options good;
+    good.chunk_elements = 1024;
+    EXPECT_NO_THROW(good.validate());
+    // A designated initialiser may leave out any field and group (with -Wextra too).
+    const pipeline_options designated{.chunk_elements = 1024, .recovery = {.max_retries = 1}};
+    EXPECT_NO_THROW(designated.validate());
+    struct rule {
+        std::function<void(pipeline_options&)> breaks;
+        std::string message;
+    };
+    const std::vector<rule> rules = {
+        {[](pipeline_options& o) { o.chunk_elements = 0; },
+         "pipeline_options.chunk_elements must be non-zero"},
+        {[](pipeline_options& o) { o.depth = 0; }, "pipeline_options.depth must be at least 1"},
+        {[](pipeline_options& o) { o.streams.compute_streams = 0; },
+         "pipeline_options.streams.compute_streams must be at least 1"},
+        {[](pipeline_options& o) {
+             o.streams.stage_streams = true;
+             o.streams.compute_streams = 2;
+         },
+         "pipeline_options.streams.compute_streams must be 1 with streams.stage_streams"},
+        {[](pipeline_options& o) { o.memory.scratch_bytes = std::size_t(-1) - 10; },
+         "pipeline_options.memory.scratch_bytes is too large"},
+        {[](pipeline_options& o) { o.monitoring.alert_fraction = -0.5; },
+         "pipeline_options.monitoring.alert_fraction must be >= 0"},
+        {[](pipeline_options& o) {
+             o.monitoring.alert_fraction = std::numeric_limits<double>::quiet_NaN();
+         },
+         "pipeline_options.monitoring.alert_fraction must be >= 0"},
+        {[](pipeline_options& o) { o.monitoring.utilisation_fraction = -1; },
+         "pipeline_options.monitoring.utilisation_fraction must be >= 0"},
+        {[](pipeline_options& o) { o.monitoring.alert_window = 0; },
+         "pipeline_options.monitoring.alert_window must be at least 1"},
+        {[](pipeline_options& o) { o.recovery.chunk_timeout = -1ns; },
+         "pipeline_options.recovery.chunk_timeout must be >= 0"},
+    };
+    for (const rule& r : rules) {
+        SCOPED_TRACE(r.message);
+        pipeline_options o = good;
+        r.breaks(o);
+        const std::string direct = usage_error_of([&] { o.validate(); });
+        EXPECT_EQ(direct.rfind(r.message, 0), 0u) << direct;
+        const std::string built = usage_error_of([&] { pipe_t p(o, {transform_stage()}); });
+        EXPECT_EQ(built, direct) << "the pipeline checks its options with validate()";
+        EXPECT_EQ(usage_error_of([&] { o.validate("multi_pipeline_options.per_shard"); })
+                      .rfind("multi_pipeline_options.per_shard." +
+                                 r.message.substr(std::string("pipeline_options.").size()),
+                             0),
+                  0u);
+    }
+    // What the rules allow: the edges, and the values the fields document.
+    pipeline_options o = good;
+    o.monitoring.alert_fraction = 1.5; // above 1: an alert on every window (the tests use it)
+    o.monitoring.utilisation_fraction = 0;
+    o.monitoring.alert_window = 1;
+    o.recovery.chunk_timeout = 0ns;
+    o.streams.stage_streams = true;
+    o.memory.scratch_bytes = std::size_t(-1) / 2;
+    EXPECT_NO_THROW(o.validate());
 }
 
 TEST(pipeline, several_stages_need_one_element_type) {
@@ -131,7 +210,7 @@ TEST_P(pipeline_batch, every_element_is_right) {
     pipeline_options o;
     o.depth = c.depth;
     o.chunk_elements = chunk;
-    o.compute_streams = c.compute_streams;
+    o.streams.compute_streams = c.compute_streams;
     o.graph = c.graph;
     pipe_t pipe(o, {transform_stage(c.spin_ns)});
     cudawait::scheduler sched;
@@ -233,7 +312,7 @@ TEST_F(pipeline_gpu, staging_holds_at_most_depth_plus_two_times_input_plus_outpu
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.pool = &pool;
+    o.memory.pool = &pool;
     pipe_t p(o, {transform_stage(500'000)});
     cudawait::scheduler sched;
     cudawait::sync_wait(sched, p.run(in, out));
@@ -255,11 +334,11 @@ TEST_F(pipeline_gpu, timing_reports_stage_times_bandwidth_and_alerts) {
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.timing = true;
-        o.alert_window = 4;
-        o.alert_fraction = fraction;
-        o.utilisation_fraction = 0; // the bandwidth alert alone (link_test: utilisation)
-        o.on_alert = [&](const cudawait::pipeline_alert& a) {
+        o.monitoring.timing = true;
+        o.monitoring.alert_window = 4;
+        o.monitoring.alert_fraction = fraction;
+        o.monitoring.utilisation_fraction = 0; // the bandwidth alert alone (link_test: utilisation)
+        o.monitoring.on_alert = [&](const cudawait::pipeline_alert& a) {
             ++alerts;
             EXPECT_GT(a.peak_gbps, 0);
             EXPECT_EQ(a.window, 4u);
@@ -391,7 +470,7 @@ TEST_F(pipeline_gpu, chained_stages_each_read_the_previous_stage_output) {
             pipeline_options o;
             o.chunk_elements = chunk;
             o.depth = 3;
-            o.compute_streams = 2;
+            o.streams.compute_streams = 2;
             o.graph = graph;
             pipe_t p(o, chain(stages));
             cudawait::scheduler sched;
@@ -580,12 +659,12 @@ TEST_F(pipeline_gpu, streams_carry_the_default_and_the_configured_priorities) {
         SCOPED_TRACE(configured ? "configured: compute lowest, copies highest" : "defaults");
         pipeline_options o;
         o.chunk_elements = chunk;
-        o.compute_streams = 2;
+        o.streams.compute_streams = 2;
         int compute = greatest; // default: compute highest, copies lowest
         int transfer = least;
         if (configured) {
-            o.compute_priority = least;
-            o.transfer_priority = greatest;
+            o.streams.compute_priority = least;
+            o.streams.transfer_priority = greatest;
             std::swap(compute, transfer);
         }
         std::vector<std::pair<cudaStream_t, int>> calls;
@@ -635,7 +714,7 @@ TEST_F(pipeline_gpu, a_queue_capacity_below_the_depth_bounds_submissions) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.queue_capacity = 1; // one chunk submitted and not yet taken, though three slots exist
+    o.memory.queue_capacity = 1; // one chunk submitted and not yet taken, though three slots exist
     pipe_t p(o, {transform_stage()});
     std::vector<std::string> log;
     std::size_t bad = 0;
@@ -697,7 +776,7 @@ TEST_F(pipeline_gpu, suggested_chunk_size_grows_for_a_light_kernel_and_shrinks_f
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.timing = true;
+        o.monitoring.timing = true;
         pipe_t p(o, {transform_stage(heavy ? 3'000'000 : 0)});
         // The light kernel's few microseconds are timed between events, so kernels of other
         // processes holding the SMs (ctest runs test programs side by side) can stretch them:
@@ -812,16 +891,16 @@ TEST(pipeline_stage, an_empty_callable_makes_an_empty_stage) {
 TEST(pipeline_stage, stage_streams_need_one_compute_stream) {
     pipeline_options o;
     o.chunk_elements = 1024;
-    o.stage_streams = true;
-    o.compute_streams = 2;
+    o.streams.stage_streams = true;
+    o.streams.compute_streams = 2;
     try {
         pipe_t p(o, {transform_stage(), transform_stage()});
         ADD_FAILURE() << "no exception";
     } catch (const usage_error& e) {
         EXPECT_NE(std::string(e.what()).find("compute_streams"), std::string::npos) << e.what();
     }
-    o.compute_streams = 1;
-    o.scratch_bytes = std::size_t(-1) - 10;
+    o.streams.compute_streams = 1;
+    o.memory.scratch_bytes = std::size_t(-1) - 10;
     EXPECT_THROW(pipe_t(o, {transform_stage()}), usage_error) << "scratch size overflows";
 }
 
@@ -905,8 +984,8 @@ TEST_F(pipeline_gpu, stages_share_the_slot_scratch_which_is_stable_aligned_and_d
             o.chunk_elements = chunk;
             o.depth = depth;
             o.graph = graph;
-            o.stage_streams = own_streams;
-            o.scratch_bytes = bytes;
+            o.streams.stage_streams = own_streams;
+            o.memory.scratch_bytes = bytes;
             scratch_log log(depth);
             // Both stages use the whole scratch, one after the other.
             pipe_t p(o, {scratch_stage(salts[0], 100'000, bytes, log),
@@ -979,7 +1058,7 @@ void check_contexts(const std::vector<context_record>& log, const pipe_t& p, std
             seen.insert(r.chunk);
             ASSERT_LT(r.chunk, chunks);
             EXPECT_LT(r.slot, o.depth);
-            EXPECT_EQ(r.device, o.device);
+            EXPECT_EQ(r.device, o.streams.device);
             if (slot_of[r.chunk] == ~0u) {
                 slot_of[r.chunk] = r.slot;
             }
@@ -992,7 +1071,7 @@ void check_contexts(const std::vector<context_record>& log, const pipe_t& p, std
                 }
                 EXPECT_EQ(r.stream, stream_of[r.chunk]) << "chunk " << r.chunk;
                 bool compute = false;
-                for (unsigned i = 0; i < o.compute_streams; ++i) {
+                for (unsigned i = 0; i < o.streams.compute_streams; ++i) {
                     compute = compute || r.stream == p.compute_stream(i).get();
                 }
                 EXPECT_TRUE(compute) << "chunk " << r.chunk << " outside the compute streams";
@@ -1020,8 +1099,8 @@ TEST_F(pipeline_gpu, stage_context_tells_stage_slot_device_and_chunk) {
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.compute_streams = own_streams ? 1 : 2;
-        o.stage_streams = own_streams;
+        o.streams.compute_streams = own_streams ? 1 : 2;
+        o.streams.stage_streams = own_streams;
         std::vector<context_record> log;
         pipe_t p(o, {recording_stage(salts[0], log), recording_stage(salts[1], log),
                      recording_stage(salts[2], log)});
@@ -1054,7 +1133,7 @@ TEST_F(pipeline_gpu, in_graph_mode_the_stages_are_called_once_per_slot_on_the_ca
     o.chunk_elements = chunk;
     o.depth = 3;
     o.graph = true;
-    o.stage_streams = true;
+    o.streams.stage_streams = true;
     std::vector<context_record> log;
     pipe_t p(o, {recording_stage(salts[0], log), recording_stage(salts[1], log),
                  recording_stage(salts[2], log)});
@@ -1102,8 +1181,8 @@ TEST_F(pipeline_gpu, stage_streams_overlap_the_stages_of_successive_chunks) {
         pipeline_options o;
         o.chunk_elements = chunk;
         o.depth = 3;
-        o.stage_streams = own_streams;
-        o.timing = true;
+        o.streams.stage_streams = own_streams;
+        o.monitoring.timing = true;
         pipe_t p(o, {salted_stage(salts[0], spin[0]), salted_stage(salts[1], spin[1]),
                      salted_stage(salts[2], spin[2])});
         double wall = 0;
@@ -1222,7 +1301,7 @@ TEST_F(pipeline_gpu, the_staging_rings_are_made_once_and_bounded_by_depth_plus_t
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 2;
-    o.pool = &pool;
+    o.memory.pool = &pool;
     pipe_t p(o, {transform_stage()});
     cudawait::scheduler sched;
     cudawait::sync_wait(sched, p.run(in, out));
@@ -1251,7 +1330,7 @@ TEST_F(pipeline_gpu, registered_vectors_run_without_staging) {
     pipeline_options o;
     o.chunk_elements = chunk;
     o.depth = 3;
-    o.pool = &pool;
+    o.memory.pool = &pool;
     pipe_t p(o, {transform_stage()});
     cudawait::scheduler sched;
     for (int round = 0; round < 2; ++round) {

@@ -58,6 +58,19 @@ struct multi_pipeline_options {
     pipeline_options per_shard;
     /// Each shard's device_resource by its device, else per_shard's (each outlives the pipeline).
     std::function<device_resource(int device)> device_resource_for;
+
+    /// Checks shards_per_device, the devices and per_shard (as pipeline_options::validate).
+    /// @throws usage_error naming the field, e.g. "multi_pipeline_options.per_shard.depth ..."
+    void validate() const {
+        if (shards_per_device == 0) {
+            throw usage_error("multi_pipeline_options.shards_per_device must be at least 1");
+        }
+        if (std::set<int>(devices.begin(), devices.end()).size() != devices.size()) {
+            throw usage_error("multi_pipeline_options.devices: a device is listed twice "
+                              "(shards_per_device puts several shards on one device)");
+        }
+        per_shard.validate("multi_pipeline_options.per_shard");
+    }
 };
 
 /// What a multi_pipeline's last batch run (or its streaming session so far) achieved.
@@ -131,20 +144,7 @@ multi_pipeline_options checked_multi_options(multi_pipeline_options o,
         std::any_of(stages.begin(), stages.end(), [](const Stage& s) { return !s; })) {
         throw usage_error("multi_pipeline: at least one stage, and no empty ones");
     }
-    if (o.shards_per_device == 0) {
-        throw usage_error("multi_pipeline: shards_per_device must be at least 1");
-    }
-    const pipeline_options& p = o.per_shard;
-    if (p.chunk_elements == 0 || p.depth == 0 || p.compute_streams == 0) {
-        throw usage_error(
-            "multi_pipeline: chunk_elements, depth and compute_streams must be non-zero");
-    }
-    std::vector<int> sorted = o.devices;
-    std::sort(sorted.begin(), sorted.end());
-    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-        throw usage_error("multi_pipeline: a device is listed twice (shards_per_device puts "
-                          "several shards on one device)");
-    }
+    o.validate();
     return o;
 }
 
@@ -186,10 +186,10 @@ public:
     /// A chunk's output, in global submission order.
     using result = detail::multi_result<In, Out>;
 
-    /// @throws usage_error for no stages or an empty one, shards_per_device 0, a zero chunk
-    ///         size, depth or stream count, a device listed twice (before any CUDA call), a
-    ///         shard's device_resource giving another device's memory; cuda_error:
-    ///         cudaErrorInvalidDevice for a device id no visible device has; as pipeline()
+    /// @throws usage_error for no stages or an empty one, options that validate() refuses
+    ///         (before any CUDA call), a shard's device_resource giving another device's memory;
+    ///         cuda_error (cudaErrorInvalidDevice: a device id no visible device has); as
+    ///         pipeline()
     multi_pipeline(multi_pipeline_options options, std::vector<stage> stages,
                    fallback on_gpu_failure = {})
         : m_options(detail::checked_multi_options(std::move(options), stages)),
@@ -213,26 +213,27 @@ public:
             device_ref dev = devices[i % devices.size()];
             m_shard_devices.push_back(dev.get());
             pipeline_options o = m_options.per_shard;
-            o.device = dev.get();
-            if (o.pool == nullptr) {
-                o.pool = &detail::staging_pool_for_device(dev.get());
+            o.streams.device = dev.get();
+            if (o.memory.pool == nullptr) {
+                o.memory.pool = &detail::staging_pool_for_device(dev.get());
             }
-            o.device_resource =
+            o.memory.device_resource =
                 detail::shard_device_resource(o, m_options.device_resource_for, dev);
-            if (!o.report_path.empty() && count > 1) {
-                o.report_path += ".shard" + std::to_string(i);
+            if (!o.recovery.report_path.empty() && count > 1) {
+                o.recovery.report_path += ".shard" + std::to_string(i);
             }
-            if (o.on_degrade) {
+            if (o.recovery.on_degrade) {
                 // A throw from it in submit() leaves the chunk queued (pipeline's submit says
                 // so); submit() needs to know which case it saw.
-                o.on_degrade = [this, user = std::move(o.on_degrade)](const chunk_failure& f) {
-                    try {
-                        user(f);
-                    } catch (...) {
-                        m_degrade_threw = true;
-                        throw;
-                    }
-                };
+                o.recovery.on_degrade =
+                    [this, user = std::move(o.recovery.on_degrade)](const chunk_failure& f) {
+                        try {
+                            user(f);
+                        } catch (...) {
+                            m_degrade_threw = true;
+                            throw;
+                        }
+                    };
             }
             m_shards.push_back(std::make_unique<shard_pipeline>(
                 std::move(o), m_stages,
@@ -243,8 +244,8 @@ public:
         // The sizes as the shards validated them (output_elements filled in, say).
         const pipeline_options& v = m_shards.front()->options();
         m_options.per_shard.output_elements = v.output_elements;
-        m_options.per_shard.queue_capacity = v.queue_capacity;
-        m_options.per_shard.device = v.device;
+        m_options.per_shard.memory.queue_capacity = v.memory.queue_capacity;
+        m_options.per_shard.streams.device = v.streams.device;
     }
 
     multi_pipeline(const multi_pipeline&) = delete;

@@ -2,9 +2,11 @@
 #pragma once
 
 // Synopsis
-//   pipeline_options  how a pipeline is built (chunk size, depth, chunk groups, streams,
-//                     stage scratch and streams, graph, copies in pieces, timing, timeouts,
-//                     callbacks, staging pool, device memory resource, timeline)
+//   pipeline_options  how a pipeline is built: depth, chunk_elements, output_elements, graph
+//                     flat; .streams (device, compute streams, priorities, stage_streams),
+//                     .memory (scratch, chunk groups, streaming queue, pool, device resource),
+//                     .monitoring (timing, alerts, timeline), .recovery (chunk_timeout,
+//                     retries, recover_after, on_degrade, report_path); validate()
 //   pipeline_stats    what a batch run (or the streaming session so far) achieved
 //   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
 //   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
@@ -19,6 +21,7 @@
 // pipeline_*.hpp) can use them below the pipeline facade.
 
 #include <cudawait/memory/device_resource.hpp>
+#include <cudawait/runtime/error.hpp>
 
 #include <chrono>
 #include <cstddef>
@@ -38,7 +41,7 @@ namespace cudawait {
 class pinned_pool; // pinned_pool.hpp
 class timeline;    // timeline.hpp
 
-/// Why pipeline_options::on_alert was called.
+/// Why pipeline_options::monitoring_options::on_alert was called.
 enum class alert_kind {
     /// The copies of one direction ran below alert_fraction of the link's peak while they ran.
     bandwidth,
@@ -59,8 +62,8 @@ enum class alert_kind {
     return "unknown";
 }
 
-/// Passed to pipeline_options::on_alert when achieved bandwidth, or the link's utilisation,
-/// stayed low over a window.
+/// Passed to pipeline_options::monitoring_options::on_alert when achieved bandwidth, or the link's
+/// utilisation, stayed low over a window.
 struct pipeline_alert {
     const char* direction; ///< "h2d" or "d2h" (utilisation: the busier direction)
     double achieved_gbps;  ///< over the window (utilisation: bytes over the direction's span)
@@ -80,7 +83,7 @@ struct chunk_error {
     cudaError_t status = cudaSuccess;
     /// The status left the context unusable: the GPU is not used again.
     bool sticky = false;
-    /// The chunk did not complete within pipeline_options::chunk_timeout.
+    /// The chunk did not complete within pipeline_options::recovery_options::chunk_timeout.
     bool timed_out = false;
     /// A non-CUDA exception behind the failure (the timeout_error of a timeout), else null.
     std::exception_ptr exception;
@@ -147,10 +150,10 @@ enum class degrade_action {
     return "unknown";
 }
 
-/// One degradation step, passed to pipeline_options::on_degrade (default: printed to stderr).
-/// It carries what a post-mortem needs: where the chunk is, how the pipeline was configured,
-/// the streams and the data pointers of the chunk, and the typed error.
-/// With chunk groups (pipeline_options::group_bytes) a step applies to a group: `chunk` is its
+/// One degradation step, passed to pipeline_options::recovery_options::on_degrade (default: printed
+/// to stderr). It carries what a post-mortem needs: where the chunk is, how the pipeline was
+/// configured, the streams and the data pointers of the chunk, and the typed error. With chunk
+/// groups (pipeline_options::memory_options::group_bytes) a step applies to a group: `chunk` is its
 /// first chunk, `chunks` the number of chunks, and the sizes and pointers are the group's.
 struct chunk_failure {
     std::size_t chunk = 0;           ///< chunk index within the run (or submission index)
@@ -180,8 +183,97 @@ struct chunk_failure {
     chunk_error error; ///< what went wrong
 };
 
-/// How a pipeline is built; chunk_elements is required.
+/// How a pipeline is built; chunk_elements is required. The fields most pipelines set are flat;
+/// the rest are grouped by concern: streams, memory, monitoring, recovery. validate() states the
+/// rules between them (the pipeline calls it at construction). See docs/pipeline.md#options.
 struct pipeline_options {
+    /// The device and the streams the chunks run on.
+    struct stream_options {
+        /// The CUDA device id (as cudaSetDevice takes it) the pipeline runs on: its streams,
+        /// events and slot buffers are made there, and its stages are called (and graphs captured
+        /// and launched) with it current, whichever device the driving thread has current; that
+        /// one is current again after each call. One that names no visible device is a
+        /// cuda_error (cudaErrorInvalidDevice) at construction.
+        int device = 0;
+        /// Compute streams; chunks take them in turn.
+        unsigned compute_streams = 1;
+        /// Stream priorities; unset: compute streams highest, copy streams lowest.
+        std::optional<int> compute_priority{};
+        std::optional<int> transfer_priority{};
+        /// Each stage on its own compute stream (stage k of every chunk on stream k), so that
+        /// stage k of one chunk runs while stage k+1 of the chunk before it does. Needs
+        /// compute_streams == 1; graph replays are not affected (pipeline.hpp).
+        bool stage_streams = false;
+    };
+
+    /// What each slot holds and where the memory comes from.
+    struct memory_options {
+        /// Bytes of device scratch per slot, allocated once at construction and handed to every
+        /// stage as stage_context::scratch (256-byte aligned, uninitialised, the same bytes for
+        /// all chunks of a slot): temp storage for a library a stage calls, so that no chunk
+        /// allocates. 0: an empty span.
+        std::size_t scratch_bytes = 0;
+        /// Chunk groups: runs of G consecutive chunks, G = group_bytes / (chunk_elements x
+        /// sizeof(In)) (at most max_group_chunks), move through the pipeline as one unit (one
+        /// copy each way, one set of events and one wait per group); each slot then holds G
+        /// chunks. Chunks of group_bytes or more are not grouped; 0: no grouping. For chunks of
+        /// a few hundred KiB or less, default_group_bytes is a good value (pipeline.hpp).
+        std::size_t group_bytes = 0;
+        /// Streaming: chunks submitted and not yet taken by next() (a producer waits in
+        /// acquire() while the queue is full); 0 means (2 copy streams + compute streams) x 2.
+        /// With chunk groups it counts groups.
+        std::size_t queue_capacity = 0;
+        /// Staging buffers come from here; nullptr: default_pinned_pool().
+        pinned_pool* pool = nullptr;
+        /// The slots' device buffers (inputs, outputs, chained stages' and the scratch) come
+        /// from here, once, when the pipeline is built. Default (or nullptr): cudaMallocAsync.
+        /// A cuda::mr stream-ordered, device-accessible resource (or device_resource_ref)
+        /// converts to it; it must outlive the pipeline.
+        cudawait::device_resource device_resource{};
+    };
+
+    /// Timing, alerts and the timeline.
+    struct monitoring_options {
+        /// Timing events per stage, for stats() and alerts.
+        bool timing = false;
+        /// Alert when achieved H2D or D2H bandwidth over `alert_window` chunks stays below this
+        /// fraction of the link's peak.
+        double alert_fraction = 0.6;
+        /// Alert (alert_kind::utilisation) when, over `alert_window` chunks, each copy direction
+        /// was busy less than this fraction of its span (first copy start to last copy end in
+        /// the window, on the GPU's clock) and so were the compute streams: the host is not
+        /// keeping the link fed. 0: never.
+        double utilisation_fraction = 0.8;
+        /// Chunks (with chunk groups: groups) per alert window.
+        std::size_t alert_window = 8;
+        std::function<void(const pipeline_alert&)> on_alert{};
+        /// Records what ran where into this timeline (timeline.hpp): each chunk's GPU stage
+        /// spans (which needs the timing events, so stats() then has stage times as with
+        /// `timing`) and its host spans. nullptr: nothing is recorded. It must outlive the
+        /// pipeline.
+        cudawait::timeline* timeline = nullptr;
+    };
+
+    /// Timeouts, retries, recovery and the post-mortem report.
+    struct recovery_options {
+        /// How long to wait for one chunk before degrading (a batch's retire, streaming's
+        /// next()); 0: as long as it takes.
+        std::chrono::nanoseconds chunk_timeout{0};
+        /// Level-1 retries per chunk before level 2.
+        unsigned max_retries = 2;
+        /// After this many chunks completed cleanly on the GPU at a lowered depth, the depth
+        /// goes up by one (stats().recoveries counts it), until it is `depth` again; 0: it stays
+        /// low.
+        unsigned recover_after = 16;
+        /// Called for each degradation step; unset: one line on stderr.
+        std::function<void(const chunk_failure&)> on_degrade{};
+        /// Where a post-mortem report (report.hpp) is written when a batch ends with a level-2
+        /// degradation or throws pipeline_error, and after each level-2 degradation in a
+        /// streaming session (rewritten each time). Best effort: a write failure is reported on
+        /// stderr, never thrown. Empty: no report.
+        std::string report_path{};
+    };
+
     /// Slots, each with its own device (and if needed pinned) buffers: 2 = double buffering.
     unsigned depth = 2;
     /// Input elements per chunk (the last chunk of a batch may be shorter).
@@ -189,89 +281,56 @@ struct pipeline_options {
     /// Output elements for a full chunk; 0 means as many as input elements. A chunk of k inputs
     /// has ceil(k * output_elements / chunk_elements) outputs.
     std::size_t output_elements = 0;
-    /// The CUDA device id (as cudaSetDevice takes it) the pipeline runs on: its streams, events
-    /// and slot buffers are made there, and its stages are called (and graphs captured and
-    /// launched) with it current, whichever device the driving thread has current; that one is
-    /// current again after each call. One that names no visible device is a cuda_error
-    /// (cudaErrorInvalidDevice) at construction.
-    int device = 0;
-    unsigned compute_streams = 1;
-    /// Stream priorities; unset: compute streams highest, copy streams lowest.
-    std::optional<int> compute_priority;
-    std::optional<int> transfer_priority;
-    /// Bytes of device scratch per slot, allocated once at construction and handed to every
-    /// stage as stage_context::scratch (256-byte aligned, uninitialised, the same bytes for all
-    /// chunks of a slot): temp storage for a library a stage calls, so that no chunk allocates.
-    /// 0: an empty span.
-    std::size_t scratch_bytes = 0;
-    /// Each stage on its own compute stream (stage k of every chunk on stream k), so that stage
-    /// k of one chunk runs while stage k+1 of the chunk before it does. Needs compute_streams
-    /// == 1; graph replays are not affected (pipeline.hpp).
-    bool stage_streams = false;
     /// Replay each slot's work as a CUDA graph (full chunks; a short last chunk runs plainly).
     /// With chunk groups, full groups replay; a short last group runs plainly.
     bool graph = false;
-    /// Each chunk's H2D and D2H copy enqueued as copies of at most this many bytes, in order on
-    /// the same stream, so that a small copy on another stream (the small copy lane,
-    /// copy_lane.hpp) waits for one piece at most, not for the whole chunk. 0: one copy per
-    /// chunk. Graph replays copy whole chunks (one memcpy node each).
-    std::size_t copy_piece_bytes = 0;
-    /// Chunk groups: runs of G consecutive chunks, G = group_bytes / (chunk_elements x
-    /// sizeof(In)) (at most max_group_chunks), move through the pipeline as one unit: one H2D
-    /// copy, one D2H copy, one set of events and one wait per group, and one launch per group
-    /// for a group stage (pipeline_stage.hpp). Each slot then holds G chunks (its device and
-    /// pinned buffers are G chunks long). Batches over pinned ranges and streaming are grouped
-    /// (streaming sends runs of consecutive submissions); batches that stage pageable ranges
-    /// move one chunk at a time. Chunks of group_bytes or more are not grouped; 0 (the
-    /// default): no grouping. For chunks of a few hundred KiB or less, where per-chunk launches
-    /// and bookkeeping dominate, default_group_bytes is a good value (pipeline.hpp).
-    std::size_t group_bytes = 0;
+    // Each with an initialiser, so that a designated initialiser may leave any of them out.
+    stream_options streams{};
+    memory_options memory{};
+    monitoring_options monitoring{};
+    recovery_options recovery{};
+
     /// A group size that makes 64 KiB .. 1 MiB chunks move at close to the link's rate.
     static constexpr std::size_t default_group_bytes = std::size_t{4} << 20;
     /// The most chunks in one group.
     static constexpr std::size_t max_group_chunks = 256;
-    /// Timing events per stage, for stats() and alerts.
-    bool timing = false;
-    /// Alert when achieved H2D or D2H bandwidth over `alert_window` chunks stays below this
-    /// fraction of the link's peak.
-    double alert_fraction = 0.6;
-    /// Alert (alert_kind::utilisation) when, over `alert_window` chunks, each copy direction
-    /// was busy less than this fraction of its span (first copy start to last copy end in the
-    /// window, on the GPU's clock) and so were the compute streams: the host is not keeping the
-    /// link fed. 0: never.
-    double utilisation_fraction = 0.8;
-    std::size_t alert_window = 8;
-    std::function<void(const pipeline_alert&)> on_alert;
-    /// How long to wait for one chunk before degrading (a batch's retire, streaming's next());
-    /// 0: as long as it takes.
-    std::chrono::nanoseconds chunk_timeout{0};
-    /// Level-1 retries per chunk before level 2.
-    unsigned max_retries = 2;
-    /// After this many chunks completed cleanly on the GPU at a lowered depth, the depth goes
-    /// up by one (stats().recoveries counts it), until it is `depth` again; 0: it stays low.
-    unsigned recover_after = 16;
-    std::function<void(const chunk_failure&)> on_degrade;
-    /// Streaming: chunks submitted and not yet taken by next() (one that next() is waiting
-    /// for counts until it is taken; a producer waits in acquire() while the queue is full); 0
-    /// means (2 copy streams + compute streams) x 2. With chunk groups it counts groups: the
-    /// queue holds up to queue_capacity x G chunks.
-    std::size_t queue_capacity = 0;
-    /// Staging buffers come from here; nullptr: default_pinned_pool().
-    pinned_pool* pool = nullptr;
-    /// The slots' device buffers (inputs, outputs, chained stages' and the scratch) come from
-    /// here, once, when the pipeline is built; none per chunk. Default (or nullptr):
-    /// cudaMallocAsync. A cuda::mr stream-ordered, device-accessible resource (or
-    /// device_resource_ref) converts to it; it must outlive the pipeline.
-    cudawait::device_resource device_resource{};
-    /// Records what ran where into this timeline (timeline.hpp): each chunk's GPU stage spans
-    /// (which needs the timing events, so stats() then has stage times as with `timing`) and
-    /// its host spans. nullptr: nothing is recorded. It must outlive the pipeline.
-    cudawait::timeline* timeline = nullptr;
-    /// Where a post-mortem report (pipeline_report.hpp) is written when a batch ends with a
-    /// level-2 degradation or throws pipeline_error, and after each level-2 degradation in a
-    /// streaming session (the file is rewritten, so it holds the session's records so far).
-    /// Best effort: a write failure is reported on stderr, never thrown. Empty: no report.
-    std::string report_path;
+
+    /// Checks the fields and the rules between them; a pipeline calls it when it is built.
+    /// `name` is how the message names this object (multi_pipeline: its per_shard).
+    /// @throws usage_error naming the first field that breaks one, e.g.
+    ///         "pipeline_options.recovery.chunk_timeout must be >= 0"
+    void validate(std::string_view name = "pipeline_options") const {
+        auto fail = [name](const char* rule) { throw usage_error(std::string(name) + "." + rule); };
+        if (chunk_elements == 0) {
+            fail("chunk_elements must be non-zero");
+        }
+        if (depth == 0) {
+            fail("depth must be at least 1");
+        }
+        if (streams.compute_streams == 0) {
+            fail("streams.compute_streams must be at least 1");
+        }
+        if (streams.stage_streams && streams.compute_streams != 1) {
+            fail("streams.compute_streams must be 1 with streams.stage_streams (each stage gets "
+                 "its own compute stream)");
+        }
+        if (memory.scratch_bytes > std::size_t(-1) / 2) {
+            fail("memory.scratch_bytes is too large");
+        }
+        // Written so that NaN fails too.
+        if (!(monitoring.alert_fraction >= 0)) {
+            fail("monitoring.alert_fraction must be >= 0");
+        }
+        if (!(monitoring.utilisation_fraction >= 0)) {
+            fail("monitoring.utilisation_fraction must be >= 0");
+        }
+        if (monitoring.alert_window == 0) {
+            fail("monitoring.alert_window must be at least 1");
+        }
+        if (recovery.chunk_timeout.count() < 0) {
+            fail("recovery.chunk_timeout must be >= 0");
+        }
+    }
 };
 
 /// Per-chunk latency: in a batch from the chunk's first enqueue attempt to its output in place,

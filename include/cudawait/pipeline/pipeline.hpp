@@ -70,8 +70,8 @@ public:
     /// grouped pipeline, once every chunk of its slot group was given back).
     using result = detail::pipeline_result<In, Out>;
 
-    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, several
-    ///         stages with In != Out, or stage_streams with compute_streams != 1; cuda_error
+    /// @throws usage_error for options that validate() refuses (pipeline_options), no stages or
+    ///         an empty one, or several stages with In != Out; cuda_error
     pipeline(pipeline_options options, std::vector<stage> stages, fallback on_gpu_failure = {})
         : m_core(std::move(options), std::move(stages), std::move(on_gpu_failure)), m_batch(m_core),
           m_stream(m_core) {}
@@ -84,16 +84,12 @@ public:
         m_core.synchronize();
     }
 
-    /// Output elements of a chunk with `inputs` input elements.
-    [[nodiscard]] std::size_t output_count(std::size_t inputs) const noexcept {
-        return m_core.output_count(inputs);
-    }
-    /// Output elements for `inputs` input elements in chunks.
+    /// Output elements for `inputs` input elements in chunks (for one chunk: its output count).
     [[nodiscard]] std::size_t output_size(std::size_t inputs) const noexcept {
         const pipeline_options& o = m_core.options;
         std::size_t full = inputs / o.chunk_elements;
         std::size_t rest = inputs % o.chunk_elements;
-        return full * o.output_elements + (rest != 0 ? output_count(rest) : 0);
+        return full * o.output_elements + (rest != 0 ? m_core.output_count(rest) : 0);
     }
 
     /// Runs `in` through the pipeline into `out` (output_size(in.size()) elements).
@@ -226,7 +222,8 @@ public:
     [[nodiscard]] stream_ref d2h_stream() const noexcept { return m_core.d2h; }
     /// Compute stream `i` (chunks take them in turn; with stage_streams, stage i's stream); graph
     /// replays run on per-slot streams of the same priority.
-    /// @throws usage_error when i >= options().compute_streams (with stage_streams: the number
+    /// @throws usage_error when i >= options().streams.compute_streams (with stage_streams: the
+    /// number
     ///         of stages)
     [[nodiscard]] stream_ref compute_stream(std::size_t i) const {
         if (i >= m_core.compute.size()) {

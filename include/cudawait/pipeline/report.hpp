@@ -8,14 +8,16 @@
 //
 // The report joins what a failure needs to be understood later: the configuration, the
 // performance snapshot and the degradation records, with the device they ran on:
-//   {"options": {every data field of pipeline_options; callbacks as whether they are set,
-//                the pool as a hex pointer, chunk_timeout in nanoseconds},
+//   {"options": {the fields of pipeline_options but device_resource, nested as there ("streams",
+//                "memory", "monitoring", "recovery"); callbacks and the timeline as whether they
+//                are set, the pool as a hex pointer, chunk_timeout in nanoseconds},
 //    "stats":   {every pipeline_stats field, "latency": {p50/p90/p99/max seconds, samples}},
 //    "failures": [{every chunk_failure field; level and action by name; streams and pointers as
 //                  hex strings; "error": {"status" (name), "status_code", sticky, timed_out,
 //                  "exception" (whether one is held), "what"}}],
 //    "device":  {"id", "name" (null, with "error", when the runtime cannot tell)}}
-// pipeline_options::report_path makes the pipeline write it on failure (pipeline.hpp).
+// pipeline_options::recovery_options::report_path makes the pipeline write it on failure
+// (pipeline.hpp).
 
 #include <cudawait/observe/detail/json.hpp>
 #include <cudawait/pipeline/options.hpp>
@@ -26,10 +28,12 @@
 #include <cstdio>
 #include <exception>
 #include <fstream>
+#include <optional>
 #include <ostream>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -50,42 +54,63 @@ std::string hex_pointer(const void* p) {
 }
 
 template <class W>
+void write_optional(W& w, std::string_view name, const std::optional<int>& v) {
+    w.key(name);
+    if (v) {
+        w.value(*v);
+    } else {
+        w.null();
+    }
+}
+
+template <class W>
 void write_options(W& w, const pipeline_options& o) {
+    const auto& st = o.streams;
+    const auto& mem = o.memory;
+    const auto& mon = o.monitoring;
+    const auto& rec = o.recovery;
     w.begin_object()
         .field("depth", o.depth)
         .field("chunk_elements", o.chunk_elements)
         .field("output_elements", o.output_elements)
-        .field("device", o.device)
-        .field("compute_streams", o.compute_streams);
-    for (auto [name, priority] : {std::pair{"compute_priority", o.compute_priority},
-                                  std::pair{"transfer_priority", o.transfer_priority}}) {
-        w.key(name);
-        if (priority) {
-            w.value(*priority);
-        } else {
-            w.null();
-        }
-    }
-    w.field("scratch_bytes", o.scratch_bytes)
-        .field("stage_streams", o.stage_streams)
-        .field("graph", o.graph)
-        .field("timing", o.timing)
-        .field("alert_fraction", o.alert_fraction)
-        .field("alert_window", o.alert_window)
-        .field("utilisation_fraction", o.utilisation_fraction)
-        .field("on_alert", static_cast<bool>(o.on_alert))
-        .field("chunk_timeout_ns", static_cast<long long>(o.chunk_timeout.count()))
-        .field("max_retries", o.max_retries)
-        .field("recover_after", o.recover_after)
-        .field("on_degrade", static_cast<bool>(o.on_degrade))
-        .field("queue_capacity", o.queue_capacity);
-    w.key("pool");
-    if (o.pool != nullptr) {
-        w.value(hex_pointer(o.pool));
+        .field("graph", o.graph);
+    w.key("streams")
+        .begin_object()
+        .field("device", st.device)
+        .field("compute_streams", st.compute_streams);
+    write_optional(w, "compute_priority", st.compute_priority);
+    write_optional(w, "transfer_priority", st.transfer_priority);
+    w.field("stage_streams", st.stage_streams).end_object();
+    w.key("memory")
+        .begin_object()
+        .field("scratch_bytes", mem.scratch_bytes)
+        .field("group_bytes", mem.group_bytes)
+        .field("queue_capacity", mem.queue_capacity)
+        .key("pool");
+    if (mem.pool != nullptr) {
+        w.value(hex_pointer(mem.pool));
     } else {
         w.null();
     }
-    w.field("timeline", o.timeline != nullptr).field("report_path", o.report_path).end_object();
+    w.end_object();
+    w.key("monitoring")
+        .begin_object()
+        .field("timing", mon.timing)
+        .field("alert_fraction", mon.alert_fraction)
+        .field("utilisation_fraction", mon.utilisation_fraction)
+        .field("alert_window", mon.alert_window)
+        .field("on_alert", static_cast<bool>(mon.on_alert))
+        .field("timeline", mon.timeline != nullptr)
+        .end_object();
+    w.key("recovery")
+        .begin_object()
+        .field("chunk_timeout_ns", static_cast<long long>(rec.chunk_timeout.count()))
+        .field("max_retries", rec.max_retries)
+        .field("recover_after", rec.recover_after)
+        .field("on_degrade", static_cast<bool>(rec.on_degrade))
+        .field("report_path", rec.report_path)
+        .end_object();
+    w.end_object();
 }
 
 template <class W>
@@ -193,7 +218,7 @@ void write_report(std::ostream& out, const pipeline_options& options, const pipe
         detail::write_failure(w, f);
     }
     w.end_array().key("device");
-    detail::write_device(w, options.device);
+    detail::write_device(w, options.streams.device);
     w.end_object();
     out << '\n';
 }
@@ -216,16 +241,16 @@ void write_report(const std::string& path, const pipeline_options& options,
 
 namespace detail {
 
-/// After a failure: the report of pipeline core `k` into options.report_path, if one is set.
-/// Best effort: what goes wrong is told on stderr, so that the failure being reported is the
+/// After a failure: the report of pipeline core `k` into options.recovery.report_path, if one is
+/// set. Best effort: what goes wrong is told on stderr, so that the failure being reported is the
 /// one the caller sees.
 template <class Core>
 void write_failure_report(const Core& k) noexcept {
-    if (k.options.report_path.empty()) {
+    if (k.options.recovery.report_path.empty()) {
         return;
     }
     try {
-        write_report(k.options.report_path, k.options,
+        write_report(k.options.recovery.report_path, k.options,
                      k.monitor.stats(k.active_depth, k.gpu_abandoned), k.monitor.failures());
     } catch (const std::exception& e) {
         std::fprintf(stderr, "cudawait pipeline: the failure report was not written: %s\n",

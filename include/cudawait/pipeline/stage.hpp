@@ -9,7 +9,7 @@
 //   pipeline_stage<In, Out> st = [](std::span<In> in, std::span<Out> out, stream_ref s) {...};
 //   st(in, out, ctx);              calls either form
 //   struct group_context;          what a group stage is told: a run of consecutive chunks
-//                                  (pipeline_options::group_bytes) launched as one
+//                                  (pipeline_options::memory_options::group_bytes) launched as one
 //   pipeline_stage<In, Out> st = [](std::span<In> in, std::span<Out> out,
 //                                   const group_context& g) { one launch for g.chunks chunks };
 //   st.run_group(in, out, g);      a group stage once; a per-chunk stage once per chunk
@@ -48,25 +48,28 @@ struct stage_context {
     /// Launch the chunk's work here: the chunk's compute stream, with `stage_streams` this
     /// stage's own stream, in graph mode the capture stream.
     stream_ref stream;
-    unsigned slot;     ///< the slot the chunk runs on, 0 .. depth-1
-    unsigned stage;    ///< this stage's index
-    int device;        ///< the pipeline's device (pipeline_options::device), current in the call
+    unsigned slot;  ///< the slot the chunk runs on, 0 .. depth-1
+    unsigned stage; ///< this stage's index
+    int device; ///< the pipeline's device (pipeline_options::stream_options::device), current in
+                ///< the call
     std::size_t chunk; ///< the chunk's index in the batch, or its submission index
-    /// The slot's device scratch (pipeline_options::scratch_bytes, 256-byte aligned, the same
-    /// bytes for every chunk of the slot, uninitialised); empty when scratch_bytes is 0.
+    /// The slot's device scratch (pipeline_options::memory_options::scratch_bytes, 256-byte
+    /// aligned, the same bytes for every chunk of the slot, uninitialised); empty when
+    /// scratch_bytes is 0.
     std::span<std::byte> scratch;
 };
 
 /// What a group stage is told about the run of consecutive chunks it launches as one
-/// (pipeline_options::group_bytes): chunk j of the group is chunk first_chunk + j, its input
-/// at j x in_stride in the stage's `in` and its output at j x out_stride in `out`; all chunks
-/// but the last are full.
+/// (pipeline_options::memory_options::group_bytes): chunk j of the group is chunk first_chunk + j,
+/// its input at j x in_stride in the stage's `in` and its output at j x out_stride in `out`; all
+/// chunks but the last are full.
 struct group_context {
     /// Launch the group's work here (as stage_context::stream).
     stream_ref stream;
     unsigned slot;  ///< the slot group the chunks run on, 0 .. depth-1
     unsigned stage; ///< this stage's index
-    int device;     ///< the pipeline's device (pipeline_options::device), current in the call
+    int device; ///< the pipeline's device (pipeline_options::stream_options::device), current in
+                ///< the call
     std::size_t first_chunk; ///< the first chunk's index in the batch, or its submission index
     std::size_t chunks;      ///< chunks in the group, at least 1
     std::size_t in_stride;   ///< input elements of a full chunk in this stage's `in`

@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// A copy enqueued as pieces on one stream (pipeline_options::copy_piece_bytes), and a copy of
-// several pieces whose host ends are not one range (copy_batch: one cudaMemcpyBatchAsync, or one
-// cudaMemcpyAsync per piece). See docs/copy.md#inside.
+// A copy of several pieces whose host ends are not one range, enqueued by copy_batch as one
+// cudaMemcpyBatchAsync (or one cudaMemcpyAsync per piece). See docs/copy.md#inside.
 
 #include <cudawait/runtime/error.hpp>
 
@@ -14,26 +13,6 @@
 #include <cuda_runtime_api.h>
 
 namespace cudawait::detail {
-
-/// Enqueues the copy of `bytes` from `src` to `dst` on `s` as pieces of `piece_bytes` (the
-/// last one shorter), or as one copy when piece_bytes is 0 or not below `bytes`.
-/// @throws cuda_error (the pieces enqueued before the failing one stay enqueued)
-/// (Templates here, their containers named dependently: only a translation unit that uses them
-/// compiles them; see dependent_t in config.hpp.)
-template <class Unused = void>
-void enqueue_in_pieces(void* dst, const void* src, std::size_t bytes, std::size_t piece_bytes,
-                       cudaMemcpyKind kind, cudaStream_t s) {
-    if (piece_bytes == 0 || piece_bytes >= bytes) {
-        check(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
-        return;
-    }
-    auto* d = static_cast<dependent_t<Unused, char>*>(dst);
-    const auto* p = static_cast<const char*>(src);
-    for (std::size_t done = 0; done < bytes; done += piece_bytes) {
-        const std::size_t n = piece_bytes < bytes - done ? piece_bytes : bytes - done;
-        check(cudaMemcpyAsync(d + done, p + done, n, kind, s), "cudaMemcpyAsync");
-    }
-}
 
 /// One copy of a run: `bytes` from `src` to `dst`. `mergeable`: its host end is the pipeline's
 /// own pinned buffer, so that it may join the piece before it (a caller's span never does).
@@ -68,20 +47,19 @@ class basic_copy_batch {
     using list = std::vector<dependent_t<Unused, T>>;
 
 public:
-    /// Lays `pieces` out as the batch's arrays, each piece cut into copies of at most
-    /// `piece_bytes` (0: uncut); empty pieces are left out.
-    void lay_out(std::span<const dependent_t<Unused, copy_piece>> pieces, std::size_t piece_bytes) {
+    /// Lays `pieces` out as the batch's arrays, one copy per piece; empty pieces are left out.
+    void lay_out(std::span<const dependent_t<Unused, copy_piece>> pieces) {
         m_dsts.clear();
         m_srcs.clear();
         m_sizes.clear();
         for (const copy_piece& p : pieces) {
-            const std::size_t step = piece_bytes == 0 ? p.bytes : piece_bytes;
-            for (std::size_t done = 0; done < p.bytes; done += step) {
-                m_dsts.push_back(static_cast<char*>(p.dst) + done);
-                // The 12.8 signature takes non-const sources; nothing is written through them.
-                m_srcs.push_back(const_cast<char*>(static_cast<const char*>(p.src)) + done);
-                m_sizes.push_back(step < p.bytes - done ? step : p.bytes - done);
+            if (p.bytes == 0) {
+                continue;
             }
+            m_dsts.push_back(p.dst);
+            // The 12.8 signature takes non-const sources; nothing is written through them.
+            m_srcs.push_back(const_cast<void*>(p.src));
+            m_sizes.push_back(p.bytes);
         }
     }
 
@@ -94,9 +72,9 @@ public:
     /// `device`: one cudaMemcpyAsync when they make one copy, else one cudaMemcpyBatchAsync, in
     /// stream order like any copy (the source is read in stream order).
     /// @throws cuda_error (with per-piece copies, the ones before the failing one stay enqueued)
-    void enqueue(std::span<const dependent_t<Unused, copy_piece>> pieces, std::size_t piece_bytes,
-                 cudaMemcpyKind kind, int device, cudaStream_t s) {
-        lay_out(pieces, piece_bytes);
+    void enqueue(std::span<const dependent_t<Unused, copy_piece>> pieces, cudaMemcpyKind kind,
+                 int device, cudaStream_t s) {
+        lay_out(pieces);
         const std::size_t n = m_sizes.size();
         if (n == 0) {
             return;

@@ -59,7 +59,7 @@ public:
         const std::size_t n = b.state.size();
         if (!b.runahead()) {
             scheduler* sched = co_await this_scheduler_ptr();
-            m_staging.begin(*sched, k.options.timeline, *k.pool, k.options.depth,
+            m_staging.begin(*sched, k.options.monitoring.timeline, *k.pool, k.options.depth,
                             k.options.chunk_elements, k.options.output_elements, !pinned_in,
                             !pinned_out);
         }
@@ -183,7 +183,7 @@ private:
             abandon_gpu(b, error);
             return false;
         }
-        if (++b.attempts[next] <= k.options.max_retries) {
+        if (++b.attempts[next] <= k.options.recovery.max_retries) {
             ++k.monitor.counters().retries;
             return true;
         }
@@ -248,7 +248,7 @@ private:
             return;
         }
         trace_range r("fallback", c);
-        timeline_scope span(m_core.options.timeline, "fallback", "fallback", c);
+        timeline_scope span(m_core.options.monitoring.timeline, "fallback", "fallback", c);
         m_core.on_gpu_failure(c, chunk_in(b, c), chunk_out(b, c));
         b.state[c] = chunk_state::fallback;
         ++stats.fallback_chunks;
@@ -440,7 +440,7 @@ private:
             flight& f = b.inflight.front();
             bool landed = true;
             try {
-                co_await await_completion(event_ref(f.done), k.options.chunk_timeout);
+                co_await await_completion(event_ref(f.done), k.options.recovery.chunk_timeout);
             } catch (const timeout_error&) {
                 landed = false;
             } catch (const cuda_error&) {
@@ -472,9 +472,9 @@ private:
         {
             // Spans the await: a start/end range, which other coroutines' ranges cannot close.
             trace_async_range r("wait", f.chunk);
-            timeline_scope span(k.options.timeline, "wait", "wait", f.chunk);
+            timeline_scope span(k.options.monitoring.timeline, "wait", "wait", f.chunk);
             try {
-                co_await await_completion(event_ref(f.done), k.options.chunk_timeout);
+                co_await await_completion(event_ref(f.done), k.options.recovery.chunk_timeout);
             } catch (const timeout_error& e) {
                 error.timed_out = true;
                 error.exception = std::current_exception();
@@ -496,7 +496,7 @@ private:
         }
         // Timed out. The work cannot be cancelled, so it is waited for again, with less
         // concurrency for what follows; past the retries the chunk is given up.
-        if (++b.attempts[f.chunk] <= k.options.max_retries) {
+        if (++b.attempts[f.chunk] <= k.options.recovery.max_retries) {
             ++stats.retries;
             k.lower_depth();
             k.report_degradation(f, degrade_level::retry, degrade_action::waited_again, error);

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Chunk groups (pipeline_options::group_bytes): how many chunks move as one unit, and which
-// elements a group covers (its chunks lie back to back in the host ranges and in the slot's
-// buffers alike, so a group is one copy each way). Pure arithmetic, tested without a device.
+// Chunk groups (pipeline_options::memory_options::group_bytes): how many chunks move as one unit,
+// and which elements a group covers (its chunks lie back to back in the host ranges and in the
+// slot's buffers alike, so a group is one copy each way). Pure arithmetic, tested without a device.
 
 #include <algorithm>
 #include <cstddef>

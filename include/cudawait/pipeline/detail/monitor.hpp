@@ -45,28 +45,28 @@ public:
         marks
     };
 
-    /// With `o.timing` (or a timeline, which needs the events), one set of timing events for
-    /// each of `sets` chunks that can be in flight at once, and the link's peak measured (once
+    /// With `o.monitoring.timing` (or a timeline, which needs the events), one set of timing events
+    /// for each of `sets` chunks that can be in flight at once, and the link's peak measured (once
     /// per device and process); a timeline is anchored to the device's clock here, before any
     /// chunk runs.
     /// @throws cuda_error
     basic_pipeline_monitor(const pipeline_options& o, std::size_t sets) : m_options(&o) {
-        if (!o.timing && o.timeline == nullptr) {
+        if (!o.monitoring.timing && o.monitoring.timeline == nullptr) {
             return;
         }
-        if (o.timeline != nullptr) {
-            o.timeline->anchor(o.device);
+        if (o.monitoring.timeline != nullptr) {
+            o.monitoring.timeline->anchor(o.streams.device);
         }
         for (std::size_t i = 0; i < sets; ++i) {
             std::vector<event> set;
             for (std::size_t k = 0; k < marks; ++k) {
-                set.emplace_back(device_ref(o.device), cudaEventDefault);
+                set.emplace_back(device_ref(o.streams.device), cudaEventDefault);
             }
             m_timing.push_back(std::move(set));
         }
-        m_link_peak = link_peak_gbps(o.device);
-        m_anchor.emplace(device_ref(o.device), cudaEventDefault);
-        m_anchor_stream.emplace(device_ref(o.device));
+        m_link_peak = link_peak_gbps(o.streams.device);
+        m_anchor.emplace(device_ref(o.streams.device), cudaEventDefault);
+        m_anchor_stream.emplace(device_ref(o.streams.device));
     }
 
     /// Statistics start anew (a batch run or a streaming session begins).
@@ -150,7 +150,7 @@ public:
             return;
         }
         m_window.push_back({in_bytes, h2d, out_bytes, d2h});
-        if (m_window.size() < m_options->alert_window) {
+        if (m_window.size() < m_options->monitoring.alert_window) {
             return;
         }
         double bin = 0, tin = 0, bout = 0, tout = 0;
@@ -161,15 +161,15 @@ public:
             tout += w.d2h;
         }
         m_window.clear();
-        double limit = m_options->alert_fraction * m_link_peak;
+        double limit = m_options->monitoring.alert_fraction * m_link_peak;
         for (auto [dir, gbps] :
              {std::pair{"h2d", bin / tin / 1e9}, std::pair{"d2h", bout / tout / 1e9}}) {
             if (gbps < limit) {
                 ++m_stats.alerts;
-                if (m_options->on_alert) {
-                    m_options->on_alert(pipeline_alert{dir, gbps, m_link_peak,
-                                                       m_options->alert_window,
-                                                       alert_kind::bandwidth, gbps / m_link_peak});
+                if (m_options->monitoring.on_alert) {
+                    m_options->monitoring.on_alert(
+                        pipeline_alert{dir, gbps, m_link_peak, m_options->monitoring.alert_window,
+                                       alert_kind::bandwidth, gbps / m_link_peak});
                 }
             }
         }
@@ -181,12 +181,12 @@ public:
     /// @throws cuda_error
     void trace_chunk(std::size_t timing_set, std::size_t chunk, bool graph_replay,
                      std::string_view compute_track, std::string_view graph_track) {
-        timeline* tl = m_options->timeline;
+        timeline* tl = m_options->monitoring.timeline;
         if (tl == nullptr) {
             return;
         }
         const std::vector<event>& t = m_timing[timing_set];
-        const int dev = m_options->device;
+        const int dev = m_options->streams.device;
         if (graph_replay) {
             tl->record_gpu(dev, graph_track, "graph", t[h2d_start], t[d2h_end], chunk);
             return;
@@ -253,7 +253,8 @@ private:
     // utilisation_fraction is neither the link nor the GPU the bound: the host does not feed
     // them, and one alert names the busier copy direction.
     void check_utilisation(std::vector<event>& t, std::size_t in_bytes, std::size_t out_bytes) {
-        if (m_options->utilisation_fraction <= 0 || !m_anchor || m_options->alert_window < 2) {
+        if (m_options->monitoring.utilisation_fraction <= 0 || !m_anchor ||
+            m_options->monitoring.alert_window < 2) {
             return;
         }
         span_entry e{in_bytes, out_bytes, {}};
@@ -263,7 +264,7 @@ private:
             e.at[k] = static_cast<double>(ms) * 1e-3;
         }
         m_spans.push_back(e);
-        if (m_spans.size() < m_options->alert_window) {
+        if (m_spans.size() < m_options->monitoring.alert_window) {
             return;
         }
         struct busy {
@@ -286,7 +287,7 @@ private:
         busy comp = measure(compute_start, compute_end, true);
         busy down = measure(d2h_start, d2h_end, false);
         m_spans.clear();
-        const double limit = m_options->utilisation_fraction;
+        const double limit = m_options->monitoring.utilisation_fraction;
         if (up.utilisation() >= limit || down.utilisation() >= limit ||
             comp.utilisation() >= limit) {
             return;
@@ -295,10 +296,10 @@ private:
         const busy& dir = h2d_busier ? up : down;
         double gbps = dir.last > dir.first ? dir.bytes / (dir.last - dir.first) / 1e9 : 0;
         ++m_stats.alerts;
-        if (m_options->on_alert) {
-            m_options->on_alert(pipeline_alert{h2d_busier ? "h2d" : "d2h", gbps, m_link_peak,
-                                               m_options->alert_window, alert_kind::utilisation,
-                                               dir.utilisation()});
+        if (m_options->monitoring.on_alert) {
+            m_options->monitoring.on_alert(pipeline_alert{
+                h2d_busier ? "h2d" : "d2h", gbps, m_link_peak, m_options->monitoring.alert_window,
+                alert_kind::utilisation, dir.utilisation()});
         }
     }
 

@@ -65,17 +65,17 @@ template <class Unused = void>
 }
 
 /// The device_resource of the shard on `dev` whose options are `o`: `per_device(dev)` when set,
-/// else o.device_resource. It is checked with one allocation, made on a stream of `dev`, looked
-/// at and freed: the memory must be `dev`'s, or memory of no one device (managed, mapped host).
-/// This finds a resource made for one device (RMM's per-device resources, say) given to shards
-/// on another. The default resource is not probed: it allocates on the stream's device.
+/// else o.memory.device_resource. It is checked with one allocation, made on a stream of `dev`,
+/// looked at and freed: the memory must be `dev`'s, or memory of no one device (managed, mapped
+/// host). This finds a resource made for one device (RMM's per-device resources, say) given to
+/// shards on another. The default resource is not probed: it allocates on the stream's device.
 /// @throws usage_error when the memory is another device's; cuda_error; what the resource or
 ///         `per_device` throws
 template <class Unused = void>
 [[nodiscard]] device_resource
 shard_device_resource(const pipeline_options& o,
                       const std::function<device_resource(int)>& per_device, device_ref dev) {
-    device_resource r = per_device ? per_device(dev.get()) : o.device_resource;
+    device_resource r = per_device ? per_device(dev.get()) : o.memory.device_resource;
     if (r.is_default()) {
         return r;
     }

@@ -40,14 +40,15 @@ public:
           m_out(o.output_elements, m_stream),
           m_mid(stages > 1 ? device_buffer<Out>(o.output_elements, m_stream)
                            : device_buffer<Out>()),
-          m_scratch_memory(
-              o.scratch_bytes != 0
-                  ? device_buffer<std::byte>(o.scratch_bytes + scratch_alignment - 1, m_stream)
-                  : device_buffer<std::byte>()) {
-        if (o.scratch_bytes != 0) {
+          m_scratch_memory(o.memory.scratch_bytes != 0
+                               ? device_buffer<std::byte>(
+                                     o.memory.scratch_bytes + scratch_alignment - 1, m_stream)
+                               : device_buffer<std::byte>()) {
+        if (o.memory.scratch_bytes != 0) {
             auto at = reinterpret_cast<std::uintptr_t>(m_scratch_memory.data());
             std::size_t skip = (scratch_alignment - at % scratch_alignment) % scratch_alignment;
-            m_scratch = std::span<std::byte>(m_scratch_memory.data() + skip, o.scratch_bytes);
+            m_scratch =
+                std::span<std::byte>(m_scratch_memory.data() + skip, o.memory.scratch_bytes);
         }
         m_stream.sync(); // the allocations are complete before any use
     }

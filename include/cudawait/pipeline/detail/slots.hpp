@@ -104,28 +104,29 @@ struct pipeline_slot {
     static constexpr std::size_t scratch_alignment = 256;
 
     /// The device buffers, each `group` chunks long, are allocated in `alloc`'s order, from
-    /// o.device_resource.
+    /// o.memory.device_resource.
     /// @throws cuda_error
     pipeline_slot(const pipeline_options& o, std::size_t stages, std::size_t group,
                   stream_ref alloc, int graph_priority)
-        : chunks(group), dev_in(group * o.chunk_elements, alloc, o.device_resource),
-          dev_out(group * o.output_elements, alloc, o.device_resource),
-          dev_mid(stages > 1
-                      ? device_buffer<Out>(group * o.output_elements, alloc, o.device_resource)
-                      : device_buffer<Out>()),
-          scratch_memory(padded_scratch(o.scratch_bytes, alloc, o.device_resource)),
-          h2d_done(device_ref(o.device)), compute_done(device_ref(o.device)),
-          d2h_done(device_ref(o.device)), graph_stream(device_ref(o.device), graph_priority) {
-        if (o.scratch_bytes != 0) {
+        : chunks(group), dev_in(group * o.chunk_elements, alloc, o.memory.device_resource),
+          dev_out(group * o.output_elements, alloc, o.memory.device_resource),
+          dev_mid(stages > 1 ? device_buffer<Out>(group * o.output_elements, alloc,
+                                                  o.memory.device_resource)
+                             : device_buffer<Out>()),
+          scratch_memory(padded_scratch(o.memory.scratch_bytes, alloc, o.memory.device_resource)),
+          h2d_done(device_ref(o.streams.device)), compute_done(device_ref(o.streams.device)),
+          d2h_done(device_ref(o.streams.device)),
+          graph_stream(device_ref(o.streams.device), graph_priority) {
+        if (o.memory.scratch_bytes != 0) {
             // The stream-ordered allocator promises less alignment than cudaMalloc's 256 bytes
             // in writing; the spare bytes make the span's start aligned whatever it returns.
             auto at = reinterpret_cast<std::uintptr_t>(scratch_memory.data());
             std::size_t skip = (scratch_alignment - at % scratch_alignment) % scratch_alignment;
-            scratch = std::span<std::byte>(scratch_memory.data() + skip, o.scratch_bytes);
+            scratch = std::span<std::byte>(scratch_memory.data() + skip, o.memory.scratch_bytes);
         }
-        if (o.stage_streams) {
+        if (o.streams.stage_streams) {
             for (std::size_t k = 0; k + 1 < stages; ++k) {
-                stage_done.emplace_back(device_ref(o.device));
+                stage_done.emplace_back(device_ref(o.streams.device));
             }
         }
     }
@@ -257,19 +258,20 @@ struct pipeline_core {
     /// Chunks in flight per slot when the host may run ahead (pinned host ranges).
     static constexpr std::size_t runahead_factor = 4;
 
-    /// @throws usage_error for a zero chunk size, depth, stream count or no stages, several
-    ///         stages with In != Out, or stage_streams with compute_streams != 1; cuda_error
+    /// @throws usage_error for options that validate() refuses, no stages or an empty one, or
+    ///         several stages with In != Out; cuda_error
     pipeline_core(pipeline_options o, std::vector<stage> s, fallback f)
         : options(validated(std::move(o))), stages(checked(std::move(s))),
           on_gpu_failure(std::move(f)),
-          group_chunks(group_chunks_for(options.group_bytes, options.chunk_elements * sizeof(In),
+          group_chunks(group_chunks_for(options.memory.group_bytes,
+                                        options.chunk_elements * sizeof(In),
                                         pipeline_options::max_group_chunks)),
-          pool(options.pool != nullptr ? options.pool
-                                       : &default_pinned_pool<dependent_t<In, void>>()),
-          h2d(device_ref(options.device), transfer_priority()),
-          d2h(device_ref(options.device), transfer_priority()),
-          events(event_pool::for_device(options.device)), compute(make_compute_streams()),
-          slots(make_slots()), bulk_registration(options.device, d2h_streams()),
+          pool(options.memory.pool != nullptr ? options.memory.pool
+                                              : &default_pinned_pool<dependent_t<In, void>>()),
+          h2d(device_ref(options.streams.device), transfer_priority()),
+          d2h(device_ref(options.streams.device), transfer_priority()),
+          events(event_pool::for_device(options.streams.device)), compute(make_compute_streams()),
+          slots(make_slots()), bulk_registration(options.streams.device, d2h_streams()),
           monitor(options, runahead_factor * options.depth) {
         free_slots.reserve(slots.size()); // each slot once: giving one back never allocates
         for (std::size_t i = 0; i < slots.size(); ++i) {
@@ -281,7 +283,8 @@ struct pipeline_core {
         h2d.sync();
         // The small copies the lane makes by the SMs beside this pipeline's chunks must not
         // wait for the kernel's loading (detail/sm_copy.hpp).
-        (void)preload_sm_copy(device_ref(options.device)); // false: a copy engine makes them
+        (void)preload_sm_copy(
+            device_ref(options.streams.device)); // false: a copy engine makes them
     }
     pipeline_core(const pipeline_core&) = delete;
     pipeline_core& operator=(const pipeline_core&) = delete;
@@ -347,7 +350,7 @@ struct pipeline_core {
         }
         using m = dependent_t<In, pipeline_monitor>;
         // With stage_streams, compute[k] is stage k's stream, and stage 0 starts the chunk there.
-        stream_ref cs = options.stage_streams
+        stream_ref cs = options.streams.stage_streams
                             ? stream_ref(compute.front())
                             : stream_ref(compute[compute_next++ % compute.size()]);
         {
@@ -357,11 +360,12 @@ struct pipeline_core {
                 (*t)[m::h2d_start].record(h2d);
             }
             if (f.views) {
-                copies.enqueue(f.h2d_pieces, options.copy_piece_bytes, cudaMemcpyHostToDevice,
-                               options.device, h2d.get());
+                copies.enqueue(f.h2d_pieces, cudaMemcpyHostToDevice, options.streams.device,
+                               h2d.get());
             } else {
-                enqueue_in_pieces(device_in(f, sl), src, f.count * sizeof(In),
-                                  options.copy_piece_bytes, cudaMemcpyHostToDevice, h2d.get());
+                check(cudaMemcpyAsync(device_in(f, sl), src, f.count * sizeof(In),
+                                      cudaMemcpyHostToDevice, h2d.get()),
+                      "cudaMemcpyAsync");
             }
             if (f.timed) {
                 (*t)[m::h2d_end].record(h2d);
@@ -377,7 +381,7 @@ struct pipeline_core {
                 (*t)[m::compute_start].record(cs);
             }
             // The last stage's stream: the chunk's stages end there.
-            stream_ref last = launch_stages(f, sl, cs, options.stage_streams, true);
+            stream_ref last = launch_stages(f, sl, cs, options.streams.stage_streams, true);
             if (f.timed) {
                 (*t)[m::compute_end].record(last);
             }
@@ -390,11 +394,12 @@ struct pipeline_core {
                 (*t)[m::d2h_start].record(d2h);
             }
             if (f.views) {
-                copies.enqueue(f.d2h_pieces, options.copy_piece_bytes, cudaMemcpyDeviceToHost,
-                               options.device, d2h.get());
+                copies.enqueue(f.d2h_pieces, cudaMemcpyDeviceToHost, options.streams.device,
+                               d2h.get());
             } else {
-                enqueue_in_pieces(dst, device_out(f, sl), f.output_count * sizeof(Out),
-                                  options.copy_piece_bytes, cudaMemcpyDeviceToHost, d2h.get());
+                check(cudaMemcpyAsync(dst, device_out(f, sl), f.output_count * sizeof(Out),
+                                      cudaMemcpyDeviceToHost, d2h.get()),
+                      "cudaMemcpyAsync");
             }
             if (f.timed) {
                 (*t)[m::d2h_end].record(d2h);
@@ -426,7 +431,7 @@ struct pipeline_core {
         monitor.chunk_done(f.count * sizeof(In), f.output_count * sizeof(Out),
                            f.timed ? std::optional<std::size_t>(f.timing_set) : std::nullopt,
                            replays(f));
-        if (f.timed && options.timeline != nullptr) {
+        if (f.timed && options.monitoring.timeline != nullptr) {
             trace_chunk(f);
         }
     }
@@ -437,7 +442,7 @@ struct pipeline_core {
     void trace_chunk(const flight& f) {
         const bool graph_replay = replays(f);
         std::string compute_track = "compute";
-        if (!graph_replay && compute.size() > 1 && !options.stage_streams) {
+        if (!graph_replay && compute.size() > 1 && !options.streams.stage_streams) {
             for (std::size_t i = 0; i < compute.size(); ++i) {
                 if (compute[i].get() == f.compute_stream) {
                     compute_track += " " + std::to_string(i);
@@ -463,8 +468,8 @@ struct pipeline_core {
         c.input_bytes = f.count * sizeof(In);
         c.output_bytes = f.output_count * sizeof(Out);
         c.depth = active_depth;
-        c.compute_streams = options.compute_streams;
-        c.device = options.device;
+        c.compute_streams = options.streams.compute_streams;
+        c.device = options.streams.device;
         c.graph = options.graph;
         if (replays(f)) {
             c.h2d_stream = c.compute_stream = c.d2h_stream = sl.graph_stream.get();
@@ -481,8 +486,8 @@ struct pipeline_core {
         c.action = action;
         c.error = error;
         monitor.record_failure(c);
-        if (options.on_degrade) {
-            options.on_degrade(c);
+        if (options.recovery.on_degrade) {
+            options.recovery.on_degrade(c);
             return;
         }
         std::string_view lv = to_string(c.level);
@@ -502,8 +507,8 @@ struct pipeline_core {
     pipeline_options options;
     std::vector<stage> stages;
     fallback on_gpu_failure;
-    /// Chunks per group (options.group_bytes): each slot holds this many, a flight moves up to
-    /// this many; 1 without grouping.
+    /// Chunks per group (options.memory.group_bytes): each slot holds this many, a flight moves up
+    /// to this many; 1 without grouping.
     std::size_t group_chunks = 1;
     pinned_pool* pool = nullptr;
     stream h2d;
@@ -556,11 +561,11 @@ struct pipeline_core {
     /// A chunk completed without a retry: recover_after of them in a row, since the depth last
     /// changed, raise the depth by one, up to the configured one (stats().recoveries).
     void note_clean() noexcept {
-        if (options.recover_after == 0 || active_depth >= options.depth) {
+        if (options.recovery.recover_after == 0 || active_depth >= options.depth) {
             clean_chunks = 0;
             return;
         }
-        if (++clean_chunks >= options.recover_after) {
+        if (++clean_chunks >= options.recovery.recover_after) {
             ++active_depth;
             ++monitor.counters().recoveries;
             clean_chunks = 0;
@@ -575,25 +580,14 @@ struct pipeline_core {
     bool session_open = false; ///< from acquire() until next() returned the end after close()
 
 private:
+    // The options checked (pipeline_options::validate), with their defaults filled in.
     static pipeline_options validated(pipeline_options o) {
-        if (o.chunk_elements == 0) {
-            throw usage_error("pipeline: chunk_elements must be non-zero");
-        }
-        if (o.depth == 0 || o.compute_streams == 0) {
-            throw usage_error("pipeline: depth and compute_streams must be at least 1");
-        }
+        o.validate();
         if (o.output_elements == 0) {
             o.output_elements = o.chunk_elements;
         }
-        if (o.stage_streams && o.compute_streams != 1) {
-            throw usage_error("pipeline: stage_streams gives each stage its own compute stream; "
-                              "compute_streams must stay 1");
-        }
-        if (o.scratch_bytes > std::size_t(-1) / 2) {
-            throw usage_error("pipeline: scratch_bytes is too large");
-        }
-        if (o.queue_capacity == 0) {
-            o.queue_capacity = (2 + std::size_t{o.compute_streams}) * 2;
+        if (o.memory.queue_capacity == 0) {
+            o.memory.queue_capacity = (2 + std::size_t{o.streams.compute_streams}) * 2;
         }
         return o;
     }
@@ -610,14 +604,16 @@ private:
         return stages;
     }
     int transfer_priority() const {
-        return options.transfer_priority.value_or(priority_low(device_ref(options.device)));
+        return options.streams.transfer_priority.value_or(
+            priority_low(device_ref(options.streams.device)));
     }
     // With stage_streams, one per stage: stage k of every chunk runs on compute[k].
     std::vector<stream> make_compute_streams() const {
-        device_ref dev(options.device);
-        int high = options.compute_priority.value_or(priority_high(dev));
+        device_ref dev(options.streams.device);
+        int high = options.streams.compute_priority.value_or(priority_high(dev));
         std::vector<stream> v;
-        const std::size_t n = options.stage_streams ? stages.size() : options.compute_streams;
+        const std::size_t n =
+            options.streams.stage_streams ? stages.size() : options.streams.compute_streams;
         for (std::size_t i = 0; i < n; ++i) {
             v.emplace_back(dev, high);
         }
@@ -646,7 +642,7 @@ private:
     // last stage's stream.
     stream_ref launch_stages(const flight& f, slot& sl, stream_ref first, bool own_streams,
                              bool plain) {
-        device_guard current(device_ref(options.device));
+        device_guard current(device_ref(options.streams.device));
         const std::size_t n = stages.size();
         std::span<In> din(device_in(f, sl), f.count);
         std::span<Out> dout(device_out(f, sl), f.output_count);
@@ -655,7 +651,7 @@ private:
         group_context ctx{.stream = first,
                           .slot = static_cast<unsigned>(f.slot),
                           .stage = 0,
-                          .device = options.device,
+                          .device = options.streams.device,
                           .first_chunk = f.chunk,
                           .chunks = f.chunks,
                           .in_stride = options.chunk_elements,
@@ -709,10 +705,10 @@ private:
     void enqueue_graph(flight& f, slot& sl, const In* src, Out* dst, std::vector<event>* t) {
         using m = dependent_t<In, pipeline_monitor>;
         trace_range r("graph", f.chunk);
-        device_guard current(device_ref(options.device));
+        device_guard current(device_ref(options.streams.device));
         if (!sl.graph) {
             sl.graph.build(sl.dev_in.data(), src, f.count * sizeof(In), dst, sl.dev_out.data(),
-                           f.output_count * sizeof(Out), device_ref(options.device),
+                           f.output_count * sizeof(Out), device_ref(options.streams.device),
                            [&](stream_ref capture_stream) {
                                // One capture stream for all stages, stage_streams or not.
                                launch_stages(f, sl, capture_stream, false, false);

@@ -286,9 +286,10 @@ public:
                 // An earlier chunk of the run saw it complete.
             } else if (!error.failed() && !k.gpu_abandoned) {
                 trace_async_range r("wait", sf.f.chunk);
-                timeline_scope span(k.options.timeline, "wait", "wait", sf.f.chunk);
+                timeline_scope span(k.options.monitoring.timeline, "wait", "wait", sf.f.chunk);
                 for (;;) {
-                    wait_outcome w = co_await wait_for_run(sf.f, k.options.chunk_timeout, deadline);
+                    wait_outcome w =
+                        co_await wait_for_run(sf.f, k.options.recovery.chunk_timeout, deadline);
                     if (!waited(it, w, error, consumed, budget)) {
                         break;
                     }
@@ -347,7 +348,7 @@ private:
 
     // Chunks submitted and not taken: queue_capacity groups' worth.
     [[nodiscard]] std::size_t capacity() const noexcept {
-        return m_core.options.queue_capacity * m_core.group_chunks;
+        return m_core.options.memory.queue_capacity * m_core.group_chunks;
     }
 
     // An input_slot of this pipeline's open session.
@@ -459,7 +460,7 @@ private:
             } catch (const cuda_error& e) {
                 error = chunk_error_of(e);
             }
-            if (error.sticky || attempt >= k.options.max_retries) {
+            if (error.sticky || attempt >= k.options.recovery.max_retries) {
                 f.error = std::move(error);
                 break;
             }
@@ -514,9 +515,9 @@ private:
             throw timeout_error(budget); // not consumed
         }
         error.timed_out = true;
-        error.exception = std::make_exception_ptr(timeout_error(k.options.chunk_timeout));
+        error.exception = std::make_exception_ptr(timeout_error(k.options.recovery.chunk_timeout));
         error.what = "chunk did not complete within chunk_timeout";
-        if (++sf.waits > k.options.max_retries) {
+        if (++sf.waits > k.options.recovery.max_retries) {
             give_up_timed_out(it, error, consumed); // throws
         }
         // Level 1: the work cannot be cancelled; it is waited for again, with less concurrency
@@ -567,7 +568,7 @@ private:
                                      {}, {it.seq});
             }
             trace_range r("fallback", it.seq);
-            timeline_scope span(k.options.timeline, "fallback", "fallback", it.seq);
+            timeline_scope span(k.options.monitoring.timeline, "fallback", "fallback", it.seq);
             // A chunk submitted with views: the caller's spans, staged or not.
             std::span<const In> in = input_of(it.slot, it.position).first(it.count);
             std::span<Out> out = output_of(it.slot, it.position, it.output_count);
