@@ -78,8 +78,8 @@ public:
         b.attempts.assign(n, 0);
         b.taken.assign(n, {});
         if (!b.runahead()) {
-            scheduler* sched = co_await this_scheduler_ptr();
-            m_staging.begin(*sched, k.options.timeline, *k.pool, k.options.depth,
+            scheduler& sched = co_await this_scheduler();
+            m_staging.begin(sched, k.options.timeline, *k.pool, k.options.depth,
                             k.options.chunk_elements, k.options.output_elements, !pinned_in,
                             !pinned_out);
         }
