@@ -76,9 +76,7 @@ struct scheduler_access_t {
     static void child_started(sched& s) noexcept { s.child_started(); }
     static void child_finished(sched& s) noexcept { s.child_finished(); }
     static void resume_soon(sched& s, std::coroutine_handle<> h) { s.m_ready.push_back(h); }
-    [[nodiscard]] static bool on_loop_thread(const sched& s) noexcept {
-        return s.on_loop_thread();
-    }
+    [[nodiscard]] static bool on_loop_thread(const sched& s) noexcept { return s.on_loop_thread(); }
     /// Private streams the scheduler's sentinels made so far (0: none was ever armed).
     [[nodiscard]] static std::size_t sentinel_streams(const sched& s) noexcept {
         return s.m_idle.sentinel_streams();
