@@ -3,7 +3,8 @@
 
 // The core module: coroutines that co_await CUDA work, and the loop that resumes them.
 //   task<T>, co_await stream / event              core/task.hpp
-//   scheduler, poll_policy, this_scheduler()      core/scheduler.hpp
+//   scheduler, sleep_for, this_scheduler()        core/scheduler.hpp, core/task.hpp
+//   poll_policy (balanced, sentinels, ...)        core/poll_policy.hpp
 //   sync_wait(sched, task)                        core/sync_wait.hpp
 //   when_all(tasks...)                            core/when_all.hpp
 //   async_scope (spawn, join)                     core/scope.hpp
@@ -12,6 +13,7 @@
 // Manual: docs/core.md.
 
 #include <cudawait/core/interop.hpp>
+#include <cudawait/core/poll_policy.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/scope.hpp>
 #include <cudawait/core/sync_wait.hpp>

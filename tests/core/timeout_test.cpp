@@ -216,7 +216,7 @@ TEST_F(timeout_gpu, timeout_on_a_spinning_kernel_keeps_its_event_tracked) {
         co_return false;
     };
     EXPECT_TRUE(sync_wait(s, body()));
-    EXPECT_FALSE(st.ready()) << "the kernel must still be running";
+    EXPECT_FALSE(st.is_done()) << "the kernel must still be running";
     // The scheduler still tracks the abandoned wait (on the event recorded at the call); that
     // event is still out of the pool.
     EXPECT_EQ(s.pending().event_waits, 1u);
@@ -225,7 +225,7 @@ TEST_F(timeout_gpu, timeout_on_a_spinning_kernel_keeps_its_event_tracked) {
     s.run(); // drains: the kernel ends, the wait completes, the event is recycled
     EXPECT_EQ(s.pending().event_waits, 0u);
     EXPECT_EQ(pool.outstanding(), outstanding);
-    EXPECT_TRUE(st.ready());
+    EXPECT_TRUE(st.is_done());
 }
 
 // Each form with_timeout documents, on work that finishes: the await returns only once the work
@@ -462,7 +462,7 @@ TEST_F(timeout_gpu, with_timeout_of_an_event_does_not_wait_behind_an_unfinished_
     raiser.join();
     s.run();
     EXPECT_EQ(s.pending().event_waits, 0u);
-    EXPECT_TRUE(slow.ready());
+    EXPECT_TRUE(slow.is_done());
     // Two different relays served the two waits, and both are cached again once idle.
     EXPECT_EQ(relays.cached(0), std::max<std::size_t>(cached_before, 2));
 }

@@ -144,7 +144,7 @@ TEST_F(mapped_buffer_gpu, a_kernel_observes_a_flag_the_host_writes) {
               cudaSuccess);
     auto start = std::chrono::steady_clock::now();
     std::this_thread::sleep_for(20ms);
-    EXPECT_FALSE(cudawait::stream_ref(s).ready());
+    EXPECT_FALSE(cudawait::stream_ref(s).is_done());
     std::atomic_ref<std::uint32_t>(flags[0]).store(1, std::memory_order_release);
     s.sync();
     EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);

@@ -877,7 +877,7 @@ TEST_F(pinned_pool_gpu, a_block_the_gpu_still_reads_is_not_handed_out_again) {
         std::fill(p, p + n, 0xbad0bad0u);
         again.push_back(p);
     }
-    EXPECT_FALSE(cudawait::stream_ref(s).ready()) << "the kernel should still be spinning";
+    EXPECT_FALSE(cudawait::stream_ref(s).is_done()) << "the kernel should still be spinning";
     std::vector<std::uint32_t> got(n);
     ASSERT_EQ(cudaMemcpyAsync(got.data(), d, n * 4, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);
     ASSERT_EQ(cudaFreeAsync(d, s.get()), cudaSuccess);
@@ -964,7 +964,7 @@ TEST_F(pinned_pool_gpu, at_the_cap_allocate_waits_for_a_block_a_kernel_still_rea
         ADD_FAILURE() << e.what();
     }
     if (b != nullptr) {
-        EXPECT_TRUE(cudawait::stream_ref(s).ready()) << "handed out while the kernel ran";
+        EXPECT_TRUE(cudawait::stream_ref(s).is_done()) << "handed out while the kernel ran";
         EXPECT_EQ(b, a) << "the block the kernel read";
         std::fill(b, b + n, 0xbad0bad0u);
     }
@@ -1108,7 +1108,7 @@ TEST_F(pinned_pool_gpu, a_block_freed_in_stream_order_waits_for_the_kernel_readi
         std::fill(p, p + n, 0xbad0bad0u);
         again.push_back(p);
     }
-    EXPECT_FALSE(cudawait::stream_ref(s).ready()) << "the kernel should still be waiting";
+    EXPECT_FALSE(cudawait::stream_ref(s).is_done()) << "the kernel should still be waiting";
     flag.write(0, 1);
     std::uint32_t got = 0;
     ASSERT_EQ(cudaMemcpyAsync(&got, sum, sizeof got, cudaMemcpyDeviceToHost, s.get()), cudaSuccess);

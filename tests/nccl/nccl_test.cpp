@@ -665,7 +665,7 @@ TEST_F(nccl_gpu, an_await_whose_stream_stalls_times_out_and_aborts) {
         EXPECT_GE(threw_after, 300ms);
         EXPECT_LT(threw_after, 300ms + 3s);
         EXPECT_EQ(tracked, 1u) << "the abandoned wait's event must stay tracked";
-        EXPECT_FALSE(st.ready()) << "the kernel must still be spinning";
+        EXPECT_FALSE(st.is_done()) << "the kernel must still be spinning";
         EXPECT_FALSE(comms[0].valid()) << "the communicator is aborted";
         flag.write(0, 1);
         st.sync();
@@ -727,7 +727,7 @@ TEST_F(nccl_gpu, awaits_on_a_communicator_another_await_aborted_fail_with_its_er
         sync_wait(s, cudawait::when_all(await_one(recv1, s1, 300ms, first),
                                         await_one(recv2, s2, 15s, second)));
         EXPECT_FALSE(comms[0].valid()) << "the communicator is aborted";
-        EXPECT_FALSE(s1.ready()) << "the kernel must still be spinning";
+        EXPECT_FALSE(s1.is_done()) << "the kernel must still be spinning";
         flag.write(0, 1);
         s1.sync();
         s2.sync();

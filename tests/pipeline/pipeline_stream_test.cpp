@@ -93,7 +93,7 @@ TEST(pipeline_wait_list, wait_until_ends_at_the_deadline_or_at_a_notify_never_bo
     cudawait::detail::wait_list list;
     std::vector<std::pair<bool, double>> woke; // (notified, ms waited)
     auto waiter = [&](std::chrono::milliseconds d) -> cudawait::task<void> {
-        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        cudawait::scheduler& s = co_await cudawait::this_scheduler();
         auto t0 = clock_type::now();
         bool notified = co_await list.wait_until(s, t0 + d);
         woke.emplace_back(notified, ms_since(t0));
@@ -115,7 +115,7 @@ TEST(pipeline_wait_list, wait_until_ends_at_the_deadline_or_at_a_notify_never_bo
     // A deadline already passed does not suspend.
     woke.clear();
     auto late = [&]() -> cudawait::task<void> {
-        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        cudawait::scheduler& s = co_await cudawait::this_scheduler();
         auto t0 = clock_type::now();
         bool notified = co_await list.wait_until(s, t0 - 1ms);
         woke.emplace_back(notified, ms_since(t0));
@@ -133,7 +133,7 @@ TEST(pipeline_wait_list, a_notify_that_cannot_queue_a_resume_keeps_its_waiters) 
     cudawait::detail::wait_list list;
     std::vector<bool> woke; // notified, per waiter resumed
     auto waiter = [&]() -> cudawait::task<void> {
-        cudawait::scheduler& s = *co_await cudawait::this_scheduler_ptr();
+        cudawait::scheduler& s = co_await cudawait::this_scheduler();
         woke.push_back(co_await list.wait_until(s, clock_type::now() + 5s));
     };
     std::size_t refused = 0;

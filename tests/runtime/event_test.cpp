@@ -49,7 +49,6 @@ void expect_every_operation_throws(const E& e) {
     EXPECT_THROW((void)event_ref(e), usage_error);
     EXPECT_THROW(e.record(s), usage_error);
     EXPECT_THROW((void)e.is_done(), usage_error);
-    EXPECT_THROW((void)e.ready(), usage_error);
     EXPECT_THROW(e.sync(), usage_error);
 }
 
@@ -94,17 +93,13 @@ TEST_F(event_gpu, records_and_reports_completion) {
     stream s;
     event e;
     EXPECT_TRUE(e.is_done()) << "a never-recorded event counts as complete";
-    EXPECT_TRUE(e.ready());
     check(cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()), "launch");
     e.record(s);
     EXPECT_FALSE(e.is_done()) << "the kernel spins for 30 ms";
-    EXPECT_FALSE(e.ready());
     EXPECT_FALSE(event_ref(e).is_done());
     e.sync();
     EXPECT_TRUE(e.is_done());
-    EXPECT_TRUE(e.ready());
     EXPECT_TRUE(event_ref(e).is_done());
-    EXPECT_TRUE(event_ref(e).ready());
 }
 
 TEST_F(event_gpu, a_pooled_event_and_a_view_record_wait_and_report_completion) {
@@ -113,10 +108,8 @@ TEST_F(event_gpu, a_pooled_event_and_a_view_record_wait_and_report_completion) {
     check(cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()), "launch");
     pe.record(s);
     EXPECT_FALSE(pe.is_done()) << "the kernel spins for 30 ms";
-    EXPECT_FALSE(pe.ready());
     pe.sync();
     EXPECT_TRUE(pe.is_done());
-    EXPECT_TRUE(pe.ready());
     // Recorded through a view, the owner sees the new capture.
     const event_ref view(pe);
     check(cudawait::testing::launch_spin(30'000'000, nullptr, 0, s.get()), "launch");
@@ -126,7 +119,6 @@ TEST_F(event_gpu, a_pooled_event_and_a_view_record_wait_and_report_completion) {
     view.sync();
     EXPECT_TRUE(view.is_done());
     EXPECT_TRUE(pe.is_done());
-    EXPECT_TRUE(view.ready());
 }
 
 TEST_F(event_gpu, timing_disabled_by_default) {
@@ -159,7 +151,6 @@ TEST_F(event_gpu, moves_do_not_leak_and_moved_from_is_a_usage_error) {
     EXPECT_EQ(b.get(), ha);
     EXPECT_THROW((void)a.get(), usage_error);
     EXPECT_THROW((void)a.is_done(), usage_error);
-    EXPECT_THROW((void)a.ready(), usage_error);
     cudaEvent_t raw = b.release();
     EXPECT_EQ(event::live_count(), before);
     event adopted = event::from_native_handle(raw);
@@ -192,7 +183,6 @@ TEST_F(event_gpu, pool_recycles_events) {
     again[0].record(s);
     s.sync();
     EXPECT_TRUE(again[0].is_done());
-    EXPECT_TRUE(again[0].ready());
 }
 
 TEST_F(event_gpu, pool_is_thread_safe) {

@@ -111,7 +111,6 @@ void expect_every_operation_throws(const stream& s) {
     EXPECT_THROW((void)static_cast<stream_ref>(s), usage_error);
     EXPECT_THROW((void)static_cast<cuda::stream_ref>(s), usage_error);
     EXPECT_THROW((void)s.is_done(), usage_error);
-    EXPECT_THROW((void)s.ready(), usage_error);
     EXPECT_THROW(s.sync(), usage_error);
     EXPECT_THROW(s.wait(reinterpret_cast<cudaEvent_t>(std::uintptr_t{0xE7})), usage_error);
     EXPECT_THROW(s.wait(reinterpret_cast<cudaStream_t>(std::uintptr_t{0x57})), usage_error);
@@ -168,7 +167,6 @@ TEST_F(stream_gpu, moved_from_stream_is_a_usage_error_and_moves_do_not_leak) {
     EXPECT_THROW((void)a.get(), usage_error);
     EXPECT_THROW(a.sync(), usage_error);
     EXPECT_THROW((void)a.is_done(), usage_error);
-    EXPECT_THROW((void)a.ready(), usage_error);
     stream c(std::move(b));
     EXPECT_EQ(c.get(), ha);
     EXPECT_EQ(stream::live_count(), before + 1);
@@ -205,7 +203,7 @@ TEST_F(stream_gpu, destruction_waits_for_work_in_flight) {
     check(cudaFreeHost(flag), "cudaFreeHost");
 }
 
-TEST_F(stream_gpu, is_done_ready_sync_and_cross_stream_wait) {
+TEST_F(stream_gpu, is_done_sync_and_cross_stream_wait) {
     stream producer;
     stream consumer;
     std::uint32_t* value = nullptr;
@@ -216,7 +214,6 @@ TEST_F(stream_gpu, is_done_ready_sync_and_cross_stream_wait) {
     check(cudaMemsetAsync(value, 0, sizeof(std::uint32_t), producer.get()), "cudaMemsetAsync");
     check(cudawait::testing::launch_spin(30'000'000, value, 0x5EEDu, producer.get()), "launch");
     EXPECT_FALSE(producer.is_done()) << "the kernel spins for 30 ms";
-    EXPECT_FALSE(producer.ready());
     EXPECT_FALSE(stream_ref(producer).is_done());
     cudaEvent_t done = nullptr;
     check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
@@ -227,11 +224,8 @@ TEST_F(stream_gpu, is_done_ready_sync_and_cross_stream_wait) {
           "cudaMemcpyAsync");
     consumer.sync();
     EXPECT_TRUE(consumer.is_done());
-    EXPECT_TRUE(consumer.ready());
     EXPECT_TRUE(producer.is_done()) << "the consumer waited for the producer's event";
-    EXPECT_TRUE(producer.ready());
     EXPECT_TRUE(stream_ref(producer).is_done());
-    EXPECT_TRUE(stream_ref(producer).ready());
     EXPECT_EQ(*copied, 0x5EEDu);
     check(cudaEventDestroy(done), "cudaEventDestroy");
     check(cudaFree(value), "cudaFree");

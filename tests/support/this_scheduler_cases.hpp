@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The README's `scheduler& s = co_await this_scheduler();`, in coroutines that task_test.cpp
+// docs/core.md's `scheduler& s = co_await this_scheduler();`, in coroutines that task_test.cpp
 // (built by the host compiler) and task_cuda_test.cu (built by nvcc) both run, so the spelling
 // is known to compile and to work under both.
 
@@ -12,7 +12,7 @@
 
 namespace cudawait::testing {
 
-/// The scheduler the coroutine runs on, through the README's spelling.
+/// The scheduler the coroutine runs on, through docs/core.md's spelling.
 inline task<scheduler*> bound_scheduler() {
     scheduler& s = co_await this_scheduler();
     co_return &s;
@@ -23,14 +23,14 @@ inline task<> count_up(int* counter) {
     co_return;
 }
 
-/// Uses the bound reference: spawns onto it, and checks that a child task and the pointer
-/// spelling name the same scheduler. Returns how many of the three agree with `expected`.
+/// Uses the bound reference: spawns onto it, and checks that a child task and a second await
+/// name the same scheduler. Returns how many of the three agree with `expected`.
 inline task<int> use_bound_scheduler(scheduler* expected, int* spawned) {
     scheduler& s = co_await this_scheduler();
     s.spawn(count_up(spawned));
     scheduler* from_child = co_await bound_scheduler();
-    scheduler* from_pointer = co_await this_scheduler_ptr();
-    co_return int{&s == expected} + int{from_child == expected} + int{from_pointer == expected};
+    scheduler& again = co_await this_scheduler();
+    co_return int{&s == expected} + int{from_child == expected} + int{&again == expected};
 }
 
 /// Runs the cases on a scheduler of its own; returns the number of failed checks (0 = all good).

@@ -11,19 +11,10 @@
 //   co_await after_legacy_stream(s);  wait_for_legacy_stream(s), then resumes once `s` (and so
 //                                     the legacy stream's earlier work) is idle
 //
-// The rule. cudawait's streams are non-blocking (cudaStreamNonBlocking), so they never
-// synchronise implicitly with the legacy default stream (stream 0, cudaStreamLegacy): a kernel
-// launched without a stream, cudaMemcpy, cudaMemset, or another library's work put there may
-// still run while a cudawait stream reads its output. Order the two explicitly, once per
-// hand-over: wait_for_legacy_stream(s) before `s` consumes what the legacy stream produced,
-// legacy_stream_wait_for(s) before legacy-stream code consumes what `s` produced. The host is
-// never blocked: an event is recorded on one stream and the other waits for it
-// (cudaStreamWaitEvent). Code built with `--default-stream per-thread` puts "stream 0" work on
-// cudaStreamPerThread instead; order that with wait_for_stream(s, cudaStreamPerThread).
-//
-// Each call is a stream::wait (stream.hpp): it records a recycled event of event_pool on the
-// producing stream's device and hands it back at once: a cudaStreamWaitEvent waits for the record
-// made before it, and a later record of the same event does not change what it waits for.
+// cudawait's streams are non-blocking, so they never synchronise implicitly with the legacy
+// default stream: order the two explicitly, once per hand-over. None of these blocks the host;
+// each records a pooled event on one stream and makes the other wait for it.
+// See docs/core.md#interop-the-legacy-default-stream.
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>

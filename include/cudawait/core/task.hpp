@@ -4,7 +4,6 @@
 // Synopsis
 //   template <class T = void> class task;   lazy, move-only coroutine; `co_await` it for its value
 //   this_scheduler()      inside a task: `scheduler& s = co_await this_scheduler();` (.cpp and .cu)
-//   this_scheduler_ptr()  the same as a pointer: `scheduler* s = co_await this_scheduler_ptr();`
 //
 // A task starts only when awaited (or handed to sync_wait / a scope). It inherits the scheduler
 // of the coroutine that awaits it, and its promise routes `co_await` on streams, events, timers
@@ -337,20 +336,6 @@ inline this_scheduler_awaiter await_on(promise_base& p, this_scheduler_t, std::s
     return {&p.require_scheduler()};
 }
 
-struct this_scheduler_ptr_t {};
-
-struct this_scheduler_ptr_awaiter {
-    scheduler* m_scheduler;
-    bool await_ready() const noexcept { return true; }
-    void await_suspend(std::coroutine_handle<>) const noexcept {}
-    scheduler* await_resume() const noexcept { return m_scheduler; }
-};
-
-inline this_scheduler_ptr_awaiter await_on(promise_base& p, this_scheduler_ptr_t,
-                                           std::source_location) {
-    return {&p.require_scheduler()};
-}
-
 /// What `co_await a` yields for an awaitable `a` inside a library coroutine.
 template <class A>
 using await_result_t = decltype(std::declval<promise_base&>().await_transform(std::declval<A>()));
@@ -366,9 +351,5 @@ using awaited_t = decltype(get_awaiter(std::declval<await_result_t<A>>()).await_
 /// `scheduler&` (`auto s = co_await this_scheduler();` keeps the wrapper; use `s.get()`).
 /// @throws usage_error when the coroutine runs without a scheduler
 [[nodiscard]] constexpr detail::this_scheduler_t this_scheduler() noexcept { return {}; }
-
-/// The same as a pointer: `scheduler* s = co_await this_scheduler_ptr();`.
-/// @throws usage_error when the coroutine runs without a scheduler
-[[nodiscard]] constexpr detail::this_scheduler_ptr_t this_scheduler_ptr() noexcept { return {}; }
 
 } // namespace cudawait

@@ -644,7 +644,7 @@ private:
 
     task<std::optional<result>> next_on(std::optional<clock::time_point> deadline,
                                         std::chrono::nanoseconds budget) {
-        scheduler& sched = *co_await this_scheduler_ptr();
+        scheduler& sched = co_await this_scheduler();
         const std::size_t session = m_sessions_ended;
         while (m_fifo.empty()) {
             if (m_closed) {

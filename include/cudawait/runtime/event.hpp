@@ -8,7 +8,6 @@
 //   class pooled_event; an event borrowed from a pool, given back when it goes out of scope
 //   class event_ref;    trivially copyable view of any of the above or of a raw cudaEvent_t
 //   e.record(stream)  e.is_done()  e.sync()   on event, pooled_event and event_ref
-//                                             (ready(): the older name of is_done())
 //   s.wait(e)           a stream's later work waits for e (stream.hpp), any event_like e
 //   concept event_like<T>; an event type of another library (cuda::event_ref, ...): a class
 //                       explicitly convertible to cudaEvent_t, or one with .event() or .get()
@@ -16,7 +15,7 @@
 //   native_event(x)     the cudaEvent_t of an event_like x
 //
 // Inside a task, `co_await ev` resumes once the work captured by the event's last record
-// finished (scheduler.hpp); `ev` may be any event_like type, and event_ref(x) views one.
+// finished; `ev` may be any event_like type (docs/runtime.md#events).
 
 #include <cudawait/runtime/detail/event_ops.hpp>
 #include <cudawait/runtime/detail/event_pool.hpp>
@@ -93,7 +92,7 @@ public:
     }
     [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
 
-    // record / is_done / ready / sync: detail::event_ops, through get().
+    // record / is_done / sync: detail::event_ops, through get().
 
     /// Events owned by the library and not yet destroyed (pooled ones included).
     [[nodiscard]] static long live_count() noexcept {
@@ -143,7 +142,7 @@ public:
     }
     [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
 
-    // record / is_done / ready / sync: detail::event_ops, through get().
+    // record / is_done / sync: detail::event_ops, through get().
 
     /// Gives the event back to its pool now.
     inline void reset() noexcept;
@@ -188,7 +187,7 @@ public:
     /// The raw handle; never throws (a view has no moved-from state).
     [[nodiscard]] constexpr cudaEvent_t get() const noexcept { return m_handle; }
 
-    // record / is_done / ready / sync: detail::event_ops.
+    // record / is_done / sync: detail::event_ops.
 
     // Spelled out: a defaulted == would also compare the (empty) event_ops base, which has none.
     friend constexpr bool operator==(event_ref a, event_ref b) noexcept {

@@ -7,14 +7,9 @@
 //   class graph_exec;  owning cudaGraphExec_t: launch(stream), set_memcpy_1d(node, ...)
 //   graph g = capture(s, [&](stream_ref s) { launch kernels on s; });
 //
-// Both owners are move-only and destroy their handle on destruction (a failure there is
-// reported, not thrown). A default-constructed or moved-from owner is empty: get() and every
-// operation on it throw usage_error. release() hands the handle to the caller;
-// from_native_handle() adopts one.
-//
-// capture() records what the callable enqueues on `s` (thread-local capture mode) into a new
-// graph; when the callable throws, the capture is ended and its partial graph destroyed before
-// the exception goes on.
+// Both owners are move-only, destroy their handle with them and throw usage_error when empty;
+// capture() ends the capture and drops its partial graph when the callable throws
+// (docs/runtime.md#graphs).
 
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>

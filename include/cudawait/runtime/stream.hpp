@@ -6,7 +6,7 @@
 //                      cudaStream_t and (when libcu++ is on the include path) cuda::stream_ref
 //   class stream;      owning, non-blocking stream with a priority; synchronised before it is
 //                      destroyed; release() / from_native_handle() hand ownership across
-//   s.is_done()  s.sync()  s.device()  s.priority()   on both (ready(): the older is_done)
+//   s.is_done()  s.sync()  s.device()  s.priority()   on both
 //   s.wait(ev)     later work on s waits for an event_like ev (event.hpp; cudaStreamWaitEvent)
 //   s.wait(other)  ... for the work enqueued on another stream so far (a pooled event recorded)
 //   stream s(dev, priority)  on a device (an int id or a device_ref), else the current one
@@ -15,15 +15,9 @@
 //                      to cudaStream_t, or one with .stream(), .value() or .get() returning it
 //   native_stream(x)   the cudaStream_t of a stream_like x
 //
-// Inside a task, `co_await s` resumes once all work enqueued on `s` before the await finished
-// (scheduler.hpp); `s` may be any stream_like type, and stream_ref(x) views one.
-//
-// The legacy default stream. Streams made by this library are non-blocking: they do not wait
-// for work on the legacy default stream (stream 0, cudaStreamLegacy: kernels launched without
-// a stream, cudaMemcpy, cudaMemset), and it does not wait for them. Work another library or
-// older code put there is ordered with a cudawait stream only through an event:
-// s.wait(cudaStreamLegacy), or wait_for_legacy_stream(s) / legacy_stream_wait_for(s)
-// (interop.hpp), do that.
+// Inside a task, `co_await s` resumes once all work enqueued on `s` before the await finished;
+// `s` may be any stream_like type. Streams made here do not wait for the legacy default stream,
+// nor it for them: order the two with an event (docs/runtime.md#streams).
 
 #include <cudawait/runtime/detail/stream_ops.hpp>
 #include <cudawait/runtime/device.hpp>
@@ -134,7 +128,7 @@ public:
     [[nodiscard]] constexpr cudaStream_t get() const noexcept { return m_handle; }
     constexpr operator cudaStream_t() const noexcept { return m_handle; }
 
-    // is_done / ready / sync / wait / device / priority: detail::stream_ops.
+    // is_done / sync / wait / device / priority: detail::stream_ops.
 
     // Spelled out: a defaulted == would also compare the (empty) stream_ops base, which has none.
     friend constexpr bool operator==(stream_ref a, stream_ref b) noexcept {
@@ -244,7 +238,7 @@ public:
 #endif
     [[nodiscard]] explicit operator bool() const noexcept { return m_handle != nullptr; }
 
-    // is_done / ready / sync / wait / device / priority: detail::stream_ops, through get().
+    // is_done / sync / wait / device / priority: detail::stream_ops, through get().
 
     /// Streams created through this class (or adopted) and not yet destroyed or released.
     [[nodiscard]] static long live_count() noexcept {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The file of trace_odr_test that compiles NVTX out: it defines CUDAWAIT_DISABLE_NVTX before
-// including anything, as the README allows a file to do.
+// including anything, as docs/observe.md#cudawait_disable_nvtx allows a file to do.
 #define CUDAWAIT_DISABLE_NVTX 1
 
 #include <cudawait/observe/trace.hpp>

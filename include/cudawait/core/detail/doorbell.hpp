@@ -1,54 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// detail::doorbell: how a scheduler with sentinels on waits in deep idle (past its spin and
-// yield phases, no timer pending). The loop thread itself blocks in cudaEventSynchronize on a
-// cudaEventBlockingSync event, so the driver wakes it directly when the GPU work completes; a
-// host-function sentinel (idle_watch) costs one thread wake-up more: the CUDA callback thread
-// wakes, then it wakes the loop.
-//
-// The doorbell is one 32-bit word of mapped, portable page-locked memory (doorbell_words). A round
-// of deep idle:
-//   1. the loop stores 0 in the word (begin(); not while the previous round's waker has not
-//      passed yet: that round is then not a doorbell round, see begin());
-//   2. it queries every pending wait once: a completion from before the store is caught here;
-//   3. it arms a sentinel per pending wait that has none (watch()): on a private stream of the
-//      event's device, cudaStreamWaitEvent(ev), then cuStreamWriteValue32(word, 1);
-//   4. on a private "waker" stream: cuStreamWaitValue32(word >= 1), then a record of the
-//      blocking-sync event E (block());
-//   5. it marks itself blocked, re-checks the owner's remote-work flag and, if nothing raced,
-//      calls cudaEventSynchronize(E).
-// Whatever must wake the loop makes E complete: a sentinel's write, or a store of 1 from the host
-// by post()/wake()/a host-function sentinel (ring_if_blocked()). The blocked flag and the remote
-// flag are a Dekker pair (both sides store, then load the other's flag, sequentially
-// consistent): either the poster sees the loop blocked and rings, or the loop sees the post and
-// does not block. A sentinel armed in an earlier round that fires later rings again: a spurious
-// round, harmless.
-//
-// The backstop. A stream's wait on the word is invisible to CUDA's scheduling: the waker stream
-// shares one of the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) with other streams,
-// and work queued behind its wait in that queue (another thread's, say) is held until the word
-// is rung. So a backstop thread rings the word once the loop has been blocked for the owner's
-// period (poll_policy::sentinel_poll): the loop then polls as the host-function path does at that
-// period, and no queue stays held longer. It sleeps on a condition variable in between.
-//
-// A round that begin() opened and that does not block (a completion was caught, a sentinel could
-// not be armed) ends with abandon(), which rings the word: a waker is never left waiting while
-// the owner works or sleeps on its condition variable.
-//
-// Lifetimes. The destructor stops the backstop, rings the word, waits until the waker stream and
-// every sentinel stream drained (a sentinel only waits for an event of work the scheduler already
-// drained, so only its write is left), then destroys the streams and the event and hands the word
-// back. Words come from page-locked slabs that are never freed (doorbell_words): no cudaFreeHost,
-// which may wait for the whole device, and no stream can write into freed memory. The wait is
-// bounded (2 s): a stream that does not drain by then (a wait the owner gave up on, a hung device)
-// keeps its word from being reused rather than the destructor hanging. In a child made by fork()
-// nothing CUDA is touched and the backstop thread (the parent's) is left.
-//
-// Where the driver's stream memory operations cannot be had (the entry points are missing, the
-// device has no unified addressing or cannot map host memory, a driver before 12.0 without the
-// v1 memory operations) or one of these calls fails, begin() returns false and the owner uses
-// idle_watch's host-function sentinels, as before.
+// detail::doorbell: how a scheduler with poll_policy::sentinels() sleeps in deep idle, its thread
+// blocked in the driver until a sentinel, a post or the backstop rings a word of mapped host
+// memory. See docs/core.md#the-doorbell.
 
 #include <cudawait/core/detail/idle_watch.hpp>
 #include <cudawait/runtime/detail/fork_guard.hpp>

@@ -1,35 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// detail::idle_watch: the scheduler's sentinels. A scheduler that has found nothing ready for a
-// while (past its policy's spin and yield phases) arms one sentinel per pending GPU wait and
-// then sleeps long, instead of waking every few hundred microseconds to poll. A sentinel is a
-// private, non-blocking stream that waits for the awaited event (cudaStreamWaitEvent) and then
-// runs a host function, which wakes the scheduler. So the wake-up latency is that of a CUDA host
-// function (18-51 us on an H200, DESIGN.md) plus a thread wake-up, rather than the sleep
-// back-off's (up to sleep_max); a blocking-sync cudaEventSynchronize woke 0.23 ms late there
-// (await_bench's idle section compares the two). The scheduler uses these where a timer is
-// pending or the doorbell is unavailable; otherwise its own thread blocks in the driver on a
-// doorbell that stream-written sentinels ring (detail/doorbell.hpp), one thread wake-up fewer.
-//
-// Why a host function on a private stream, and not a thread blocked in cudaEventSynchronize:
-// - cudaStreamWaitEvent captures the event's last record when it is called, so the scheduler may
-//   recycle, re-record or destroy the event at once; no event is lent to anyone, and the events
-//   need no cudaEventBlockingSync flag (record and query cost stay as they are).
-// - It works for the user's events alike, whatever their flags.
-// - Several waits are watched at once (one stream each), so whichever completes first wakes the
-//   loop; a thread blocked on one event could not tell about the others.
-// - The hot path pays nothing: sentinels are armed only after the spin and yield phases.
-// A host function runs on a CUDA-internal thread and may not call CUDA: fired() only takes a
-// mutex, notes its stream as free again and calls the wake-up function.
-//
-// Lifetimes. What a host function touches (the target) is shared with it and outlives it. The
-// owner's destructor detaches the target under its mutex (a host function running then finishes
-// first; one running later finds no wake-up and does nothing) and destroys the streams: a stream
-// destroyed with its wait still pending is released by CUDA once the wait and the host function
-// are done. In a child made by fork() the streams belong to the parent's context: nothing is
-// armed and the destructor makes no CUDA call. A host function that never runs (its context
-// died) leaks one small token; the owner polls on a long period anyway (poll_policy).
+// detail::idle_watch: the scheduler's host-function sentinels, a private stream per watched wait
+// that waits for its event and then runs a host function that wakes the loop.
+// See docs/core.md#poll-policies.
 
 #include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/error.hpp>

@@ -1,16 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// detail::wake_history: how long the scheduler's recent long idle periods lasted before GPU work
-// ended them, and from that when the present one is likely to end (poll_policy::predict).
-//
-// A program that waits for the GPU mostly waits for the same work again and again (a training
-// step, a frame, a batch), so the length of its last idle periods predicts the next one's. The
-// loop sleeps until shortly before a predicted end and busy-polls from there: it then sees the
-// completion as a spinning loop does, while sleeping through the rest of the wait. This is the
-// hybrid polling of Linux's block layer (sleep for about the expected completion time, then
-// poll) applied to GPU waits. A prediction that misses costs at most one polling window of
-// 2 x lead(d); the sentinels and the back-off still wake the loop as they would without it.
+// detail::wake_history: how long the scheduler's recent long idle periods lasted, and from that
+// when the present one is likely to end (poll_policy::predict). See docs/core.md#poll-policies.
 
 #include <algorithm>
 #include <array>

@@ -58,8 +58,8 @@ public:
         batch b = make_batch(in, out, pinned_in, pinned_out);
         const std::size_t n = b.state.size();
         if (!b.runahead()) {
-            scheduler* sched = co_await this_scheduler_ptr();
-            m_staging.begin(*sched, k.options.monitoring.timeline, *k.pool, k.options.depth,
+            scheduler& sched = co_await this_scheduler();
+            m_staging.begin(sched, k.options.monitoring.timeline, *k.pool, k.options.depth,
                             k.options.chunk_elements, k.options.output_elements, !pinned_in,
                             !pinned_out);
         }

@@ -149,7 +149,7 @@ public:
     [[nodiscard]] task<input_slot> acquire(std::optional<clock::time_point> deadline = {},
                                            std::chrono::nanoseconds budget = {}) {
         core& k = m_core;
-        scheduler& sched = *co_await this_scheduler_ptr();
+        scheduler& sched = co_await this_scheduler();
         for (;;) {
             if (k.batch_running) {
                 throw usage_error("pipeline::acquire: a batch run is in progress");
@@ -239,7 +239,7 @@ public:
     [[nodiscard]] task<std::optional<result>> next(std::optional<clock::time_point> deadline = {},
                                                    std::chrono::nanoseconds budget = {}) {
         core& k = m_core;
-        scheduler& sched = *co_await this_scheduler_ptr();
+        scheduler& sched = co_await this_scheduler();
         if (m_deferred) {
             std::rethrow_exception(std::exchange(m_deferred, nullptr)); // from close()
         }

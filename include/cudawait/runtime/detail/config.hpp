@@ -1,11 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// What every public header checks before it includes anything else: error.hpp includes this
-// file first, and every header that needs C++20 includes error.hpp before any other. Without the
-// check, a translation unit built as C++17 fails deep inside <coroutine> ("the coroutine header
-// requires -fcoroutines") instead of saying what is missing. MSVC keeps __cplusplus at 199711L
-// unless /Zc:__cplusplus is given; _MSVC_LANG holds the standard there.
+// What every public header checks first (error.hpp includes this file first): a translation
+// unit built without C++20 fails with a message that says so, not deep inside <coroutine>.
 
 #if __cplusplus < 202002L && !(defined(_MSVC_LANG) && _MSVC_LANG >= 202002L)
 #error                                                                                             \

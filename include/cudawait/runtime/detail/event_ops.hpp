@@ -1,10 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// detail::event_ops<D>: what event, pooled_event and event_ref can do, written once. Each
-// operation asks D for its handle through get(): the view's never throws, the owners' throw
-// usage_error when empty (moved from, released, or a default pooled_event), so no CUDA call ever
-// sees a null event.
+// detail::event_ops<D>: what event, pooled_event and event_ref can do, written once; each
+// operation asks D for its handle through get(), which throws usage_error for an empty owner.
 
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
@@ -39,12 +37,6 @@ public:
     /// @throws cuda_error for errors other than cudaErrorNotReady; usage_error on an empty event
     [[nodiscard]] bool is_done(std::source_location where = std::source_location::current()) const {
         return event_ready(handle(), where);
-    }
-
-    /// Same as is_done(): the older name, which libcu++ deprecated in favour of is_done().
-    /// @throws cuda_error, usage_error as is_done()
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        return is_done(where);
     }
 
     /// Blocks the calling thread until the captured work completed. Prefer `co_await`.

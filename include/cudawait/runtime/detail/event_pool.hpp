@@ -1,10 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The part of event.hpp that streams need, below stream.hpp: event_like and native_event, and the
-// per-device event_pool. stream::wait takes any event_like, and waits for another stream by
-// recording a pooled event on it; event.hpp's owners and views, whose record() takes a
-// stream_ref, stay above stream.hpp. Include <cudawait/runtime/event.hpp>, which includes this.
+// The part of event.hpp that streams need, below stream.hpp: event_like, native_event and the
+// per-device event_pool. Include <cudawait/runtime/event.hpp>, which includes this.
 
 #include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/device.hpp>

@@ -1,16 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Fork detection for the library's process-wide objects (the default pinned pool, the event
-// pools, the copy workers). A child created by fork() inherits their memory but not the CUDA
-// context behind it nor the threads that serve them: touching the inherited CUDA handles is
-// undefined behaviour, and waiting on an inherited worker thread hangs. Each such object takes
-// a fork_stamp when it is made; in a forked child stamp.inherited() is true, and the object
-// throws usage_error (or, where no CUDA state is involved, starts afresh) instead.
-//
-// A pthread_atfork child handler counts forks, so the check on hot paths is one relaxed atomic
-// load. The handler is registered before the first stamp is taken, hence before any fork that
-// matters. Where registering fails, the stamp compares process ids instead (a system call).
+// detail::fork_stamp: how the library's process-wide objects tell that they run in a child made
+// by fork(), whose CUDA context and threads they did not inherit. See docs/runtime.md#fork-safety.
 
 #include <atomic>
 #include <cstdint>

@@ -1,11 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// detail::stream_ops<D>: what stream_ref and stream can do, written once. Each operation asks D
-// for its handle through get(): the view's never throws, the owner's throws usage_error once the
-// owner was moved from or released. The owner cannot simply derive from the view, as libcu++'s
-// does: a moved-from cudawait handle is null, and a null cudaStream_t names the legacy default
-// stream, so cudaStreamSynchronize(nullptr) would quietly wait for the wrong stream.
+// detail::stream_ops<D>: what stream_ref and stream can do, written once; each operation asks D
+// for its handle through get(), which throws usage_error for a moved-from or released owner (a
+// null cudaStream_t would name the legacy default stream).
 
 #include <cudawait/runtime/detail/event_pool.hpp>
 #include <cudawait/runtime/error.hpp>
@@ -34,12 +32,6 @@ public:
         }
         check(st, "cudaStreamQuery", where);
         return true;
-    }
-
-    /// Same as is_done(): the older name, which libcu++ deprecated in favour of is_done().
-    /// @throws cuda_error, usage_error as is_done()
-    [[nodiscard]] bool ready(std::source_location where = std::source_location::current()) const {
-        return is_done(where);
     }
 
     /// Blocks the calling thread until the stream is idle. Prefer `co_await` in a task.
