@@ -4,19 +4,13 @@
 // Synopsis
 //   co_await copy(dst, src, stream);       inside a task: resumes once the bytes are in place
 //   copy_async(dst, src, stream);          enqueue only
-//   co_await copy(dst, src);               on a copy lane of the device (copy_lane.hpp): the
-//                                          small lane up to options.small_bytes, else the bulk
+//   co_await copy(dst, src);               on a copy lane of the device (copy_lane.hpp)
 //   co_await copy(dst, src, lane::small);  on the named lane, whatever the size
-//   copy_options o; o.sm_copy_bytes = 64 << 10;   small-lane copies between device and pinned
-//   co_await copy(dst, src, o);                   memory made by the SMs, not a copy engine
-//   o.busy_sm_copy_bytes = 0;                     small-lane D2H copies by a copy engine even
-//                                                 beside bulk D2H work (default 64 KiB: the SMs)
+//   copy_options o; o.sm_copy_bytes = 64 << 10;  co_await copy(dst, src, o);   SM copies
 //
-// `dst` and `src` are contiguous ranges of one trivially copyable type (spans, vectors, the
-// library's buffers, your own); the direction follows from where their memory lives
-// (memory_kind.hpp), and pool memory is marked with record_use. Pageable host memory is staged
-// through a ring of pinned chunks, managed memory copied directly, device memory of two devices
-// peer to peer. The manual: docs/copy.md.
+// `dst` and `src` are contiguous ranges of one trivially copyable type; the direction follows
+// from where their memory lives, and pageable host memory is staged through pinned chunks. See
+// docs/copy.md.
 
 #include <cudawait/copy/copy_lane.hpp>
 #include <cudawait/copy/detail/bulk_streams.hpp>

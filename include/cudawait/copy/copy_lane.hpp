@@ -4,20 +4,13 @@
 // Synopsis
 //   enum class lane { small, bulk };          a queue of a device's copy lanes
 //   enum class copy_direction { h2d, d2h };   h2d: the copy writes device memory
-//   class copy_lanes;   per device, process-wide: four non-blocking transfer streams, made on
-//                       first use: small h2d and d2h at the device's highest priority, bulk h2d
-//                       and d2h at the default (lowest) priority
+//   class copy_lanes;   per device, process-wide: small and bulk streams per direction
 //   copy_lanes::for_device(dev).get(lane::small, copy_direction::h2d)
 //   small_copy_stream(dev, dir)       the small lane's stream of one direction
+//   co_await copy(dst, src, lane::small);   (copy.hpp) on the small lane, whatever the size
 //
-//   co_await copy(dst, src);              (copy.hpp) on a lane of the device whose memory it
-//                                         is: small up to copy_options::small_bytes, else bulk
-//   co_await copy(dst, src, lane::small); on the small lane, whatever the size
-//
-// The small lane keeps control traffic (parameters, flags, a result's header) from queueing
-// behind bulk chunks. A copy on a lane is ordered with the lane's earlier copies only: make its
-// source ready first. The streams live as long as the process (never destroyed; not after
-// cudaDeviceReset; not in a forked child). Why, and what it costs: docs/copy.md#copy-lanes.
+// A copy on a lane is ordered with the lane's earlier copies only: make its source ready first.
+// The streams are never destroyed. See docs/copy.md#copy-lanes.
 
 #include <cudawait/copy/detail/bulk_streams.hpp>
 #include <cudawait/runtime/detail/fork_guard.hpp>

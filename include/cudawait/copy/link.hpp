@@ -4,16 +4,12 @@
 // Synopsis
 //   link_info l = describe_link(0);   the host link of device 0: PCIe generation and width (now
 //                                     and at most), copy engines, the measured one-way peak
-//   std::puts(to_string(l).c_str());  "device 0 (0000:3b:00.0): PCIe gen 5 x16 (max gen 5
-//                                     x16), 2 copy engines, peak 53.1 GB/s [nvml]"
+//   std::puts(to_string(l).c_str());  "device 0 (0000:3b:00.0): PCIe gen 5 x16 ..."
 //   link_peak_gbps(0)                 the peak alone (detail/link_peak.hpp)
 //
-// What a bandwidth or utilisation alert (pipeline_options::monitoring_options::on_alert) should be
-// read against: a GPU in a x8 slot, or one whose link trained at a lower generation, cannot reach
-// the figures of a x16 one. The PCIe figures come from NVML when libnvidia-ml.so.1 can be loaded
-// (at run time: no link dependency), else from Linux's sysfs for the device's PCI bus id; where
-// neither answers they are 0 and link_info::source says why. The current generation of an idle GPU
-// may be below the maximum: the link slows down to save power and speeds up under load.
+// What a bandwidth or utilisation alert should be read against. The PCIe figures come from NVML,
+// else sysfs; where neither answers they are 0 and link_info::source says why. See
+// docs/copy.md#the-link-model.
 
 #include <cudawait/copy/detail/link_peak.hpp>
 #include <cudawait/runtime/device.hpp>

@@ -2,19 +2,13 @@
 #pragma once
 
 // Synopsis
-//   wait_for_stream(s, other);        later work on `s` waits for the work enqueued on `other`
-//                                     so far (s.wait(other), stream.hpp)
-//   wait_for_legacy_stream(s);        later work on `s` waits for the work enqueued on the
-//                                     legacy default stream so far
+//   wait_for_stream(s, other);        later work on `s` waits for `other`'s work so far
+//   wait_for_legacy_stream(s);        later work on `s` waits for the legacy default stream's
 //   legacy_stream_wait_for(s);        later work on the legacy default stream waits for `s`'s
-//                                     work so far
-//   co_await after_legacy_stream(s);  wait_for_legacy_stream(s), then resumes once `s` (and so
-//                                     the legacy stream's earlier work) is idle
+//   co_await after_legacy_stream(s);  wait_for_legacy_stream(s), then resumes once `s` is idle
 //
-// cudawait's streams are non-blocking, so they never synchronise implicitly with the legacy
-// default stream: order the two explicitly, once per hand-over. None of these blocks the host;
-// each records a pooled event on one stream and makes the other wait for it.
-// See docs/core.md#interop-the-legacy-default-stream.
+// None of these blocks the host: each records a pooled event on one stream and makes the other
+// wait for it. See docs/core.md#interop-the-legacy-default-stream.
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>

@@ -8,14 +8,8 @@
 //     co_await s.schedule();  co_await s.wait(stream or event);  co_await s.sleep_for(d);
 //   sleep_for(d)                inside a task: `co_await sleep_for(5ms);`
 //
-// Inside a library coroutine (task, when_all child, scope or sync_wait root):
-//   co_await stream;            resumes once all work enqueued on it before the await finished
-//   co_await event;             resumes once the event's captured work finished
-//   co_await sched.schedule();  continues on `sched`'s thread
-//
-// One thread at a time drives a scheduler (run / run_until / poll / sync_wait) and coroutines
-// resume on it; post, spawn, wake and schedule() are safe from any thread. How it polls, sleeps
-// and wakes, and its threading rules: docs/core.md#the-scheduler.
+// One thread at a time drives a scheduler and coroutines resume on it; post, spawn, wake and
+// schedule() are safe from any thread. See docs/core.md#the-scheduler.
 
 #include <cudawait/core/detail/awaiters.hpp>
 #include <cudawait/core/detail/detached.hpp>

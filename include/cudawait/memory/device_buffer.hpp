@@ -3,18 +3,12 @@
 
 // Synopsis
 //   device_buffer<float> d(n, stream);     cudaMallocAsync on `stream` (stream-ordered)
-//   device_buffer<float> d(n, stream, r);  from device_resource r: any stream-ordered,
-//                                          device-accessible cuda::mr resource (or its ref)
+//   device_buffer<float> d(n, stream, r);  from device_resource r (device_resource.hpp)
 //   std::span<float> s = d.span();         device memory: hand it to kernels and copies
 //   d.set_stream(other);                   free on `other` instead
 //
-// Move-only; freed on its stream (cudaFreeAsync, or the resource's stream-ordered deallocate),
-// so the memory is reused only after work already enqueued on that stream. Work on other streams
-// that uses the buffer must be ordered before the free (an event the freeing stream waits on), as
-// with cudaFreeAsync itself. A resource must outlive the buffers allocated from it. Without
-// cuda::mr (CUDAWAIT_HAS_CUDA_MR 0) only the default resource can be named.
-// data(), span(), begin() and end() of an empty (default-constructed, moved-from or reset) buffer
-// throw usage_error. There is no operator[]: the host cannot touch device memory.
+// Move-only; freed on its stream, so work on other streams that uses the buffer must be ordered
+// before the free, as with cudaFreeAsync. See docs/memory.md#buffers.
 
 #include <cudawait/memory/detail/typed_allocation.hpp>
 #include <cudawait/memory/device_resource.hpp>

@@ -8,15 +8,9 @@
 //   void* p = r.allocate(bytes, s);     in `s`'s order
 //   r.deallocate(p, bytes, s);          the memory is reused only after work enqueued on `s`
 //
-//   device_resource_ref   cuda::mr::async_resource_ref<device_accessible> (CCCL 3.0), or
-//                         cuda::mr::resource_ref<device_accessible> (CCCL 3.1 and later)
-//   CUDAWAIT_HAS_CUDA_MR  1 when libcu++'s memory resources are declared in this translation unit
-//
-// Where device_buffer and the pipeline's slots (pipeline_options::memory_options::device_resource)
-// take their device memory from. A device_resource holds a resource by reference: the resource must
-// outlive every buffer allocated from it. Its layout does not depend on CUDAWAIT_HAS_CUDA_MR (the
-// resource is held type-erased), so translation units that see cuda::mr and ones that do not
-// agree on it; without cuda::mr only the default can be made.
+// A device_resource holds a resource by reference: the resource must outlive every buffer
+// allocated from it. Without cuda::mr (CUDAWAIT_HAS_CUDA_MR 0) only the default can be made. See
+// docs/memory.md#device-memory-resources.
 
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>

@@ -2,25 +2,14 @@
 #pragma once
 
 // Synopsis
-//   host_registration reg(std::span<float>(v));   page-locks v's pages (cudaHostRegister) for
-//   host_registration reg(v);                     reg's lifetime; cudaHostUnregister when it goes
-//   registered_span<float> s = reg.span();        the range, stated pinned: copy and the pipeline
-//                                                 copy it directly, with no staging
+//   host_registration reg(v);                 page-locks v's pages (cudaHostRegister) for reg's
+//                                             lifetime; cudaHostUnregister when it goes
+//   registered_span<float> s = reg.span();    the range, stated pinned: copied with no staging
 //   reg.data(), reg.size(), reg.bytes(), reg.reset(), explicit operator bool
 //
-// For a user who reuses the same pageable buffers (a std::vector filled again for every batch):
-// registering them once costs 40-65 ms per GiB (on the measured H200 machine, touched memory)
-// and makes every later transfer run at the pinned rate, where staging through the pool's
-// page-locked chunks is bounded by the host's memcpy bandwidth.
-//
-// Registered memory is pinned to the driver too (cudaPointerGetAttributes reports it as
-// cudaMemoryTypeHost), so a plain std::span or std::vector over it also takes the pinned path of
-// copy() and pipeline::run; registered_span only saves the driver query and states the intent.
-// The registration must outlive every copy that uses the memory (an asynchronous copy included):
-// destroying it while the GPU still reads or writes the range is undefined behaviour.
-//
-// Move-only. A range, or part of one, registered already (by another host_registration or by
-// anything else) fails with cuda_error whose status() is cudaErrorHostMemoryAlreadyRegistered.
+// For pageable buffers refilled for every batch: register once, and every later transfer runs at
+// the pinned rate. Move-only. The registration must outlive every copy that uses the memory (an
+// asynchronous one included). See docs/memory.md#host-registration.
 
 #include <cudawait/memory/memory_kind.hpp>
 #include <cudawait/runtime/error.hpp>

@@ -8,20 +8,10 @@
 //   co_await prefetch_to_host(m, s);              ... back to host memory before the host reads
 //   prefetch_async(r, dev, s);  prefetch_to_host_async(r, s);   enqueue only
 //
-// Managed memory migrates on demand, page fault by page fault; a prefetch moves a whole range
-// ahead of use in one stream-ordered operation (cudaMemPrefetchAsync), so a kernel that follows
-// in the stream finds it resident. The prefetches take any contiguous range of managed memory
-// (a managed_buffer, a std::span into one). Prefetching is a hint for speed, never needed for
-// correctness: without it the same code is right, only slower.
-//
-// copy() and the pipeline take managed ranges as they are: copy hands them straight to
-// cudaMemcpyAsync with cudaMemcpyDefault (the driver knows where the pages are; no staging),
-// and a pipeline reads and writes them from the host like other host memory.
-//
-// The host may touch the memory only while no kernel that uses it is running, except on devices
-// with concurrentManagedAccess (Linux on Pascal and later, H100/H200 included), where both may.
-// On an empty (default-constructed, moved-from or reset) buffer, data(), the span, begin(), end()
-// and operator[] throw usage_error.
+// A prefetch (cudaMemPrefetchAsync) is a hint for speed, never needed for correctness; it takes
+// any contiguous managed range. copy() and the pipeline take managed ranges as they are. The host
+// may touch the memory only while no kernel that uses it runs, except on devices with
+// concurrentManagedAccess. See docs/memory.md#buffers.
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>

@@ -2,22 +2,13 @@
 #pragma once
 
 // Synopsis
-//   numa_slab_source src(node);              page-locked slabs placed on one NUMA node
+//   numa_slab_source src(node);              page-locked slabs placed on one NUMA node (mbind)
 //   numa_slab_source src(node, numa_policy::preferred);   placed there where the system lets
-//   pinned_pool pool(pinned_pool_options{.upstream = std::make_shared<numa_slab_source>(1)});
 //   pinned_pool& numa_pinned_pool(int node); the process-wide pool of one node's memory
 //
-// On a machine with several NUMA nodes (sockets), a GPU sits on one of them: a DMA from host
-// memory on another node crosses the socket link, which costs bandwidth and adds latency.
-// numa_slab_source maps anonymous memory, binds it to the node with the mbind system call
-// (no libnuma needed), faults it in there and registers it with cudaHostRegister (portable:
-// every device can use it). The library's per-device staging (detail/multi_pool.hpp) draws
-// from numa_pinned_pool(the device's node) where the machine has several nodes.
-//
-// Containers often forbid mbind (Docker's default seccomp profile allows it only with
-// CAP_SYS_NICE): with numa_policy::bind the slab then fails with std::system_error (EPERM);
-// with numa_policy::preferred it is made anyway, placed by first touch, and counted in
-// unplaced_slabs().
+// Where mbind is refused (containers without CAP_SYS_NICE), numa_policy::bind throws
+// std::system_error and numa_policy::preferred places the slab by first touch. See
+// docs/memory.md#numa.
 
 #include <cudawait/memory/detail/numa.hpp>
 #include <cudawait/memory/pinned_pool.hpp>

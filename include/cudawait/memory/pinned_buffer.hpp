@@ -5,14 +5,10 @@
 //   pinned_buffer<float> buf(n);          n floats of page-locked memory from default_pinned_pool()
 //   pinned_buffer<float> buf(n, pool);    ... from `pool`
 //   std::span<float> s = buf.span();      host access (also data(), begin(), end(), operator[])
-//   buf.record_use(stream);               the block is handed out again only after `stream`
-//                                         passed this point (copy.hpp's copies do this for you)
+//   buf.record_use(stream);               reused only after `stream` passed this point
 //   buf.reset();                          gives the block back now
 //
-// Move-only; the elements are not initialised. The block goes back to its pool when the buffer
-// is destroyed or reset. On an empty (default-constructed, moved-from or reset) buffer, every
-// access to the memory (data(), span(), begin(), end(), operator[], pool(), record_use) throws
-// usage_error.
+// Move-only; the elements are not initialised. See docs/memory.md#buffers.
 
 #include <cudawait/memory/detail/typed_allocation.hpp>
 #include <cudawait/memory/memory_kind.hpp>

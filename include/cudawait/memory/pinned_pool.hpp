@@ -5,21 +5,15 @@
 //   pinned_pool pool;                    page-locked host memory, grown rarely in large slabs
 //   pool.reserve(1 << 30);               grow once, up front
 //   void* p = pool.allocate(bytes);      O(1), no CUDA call and no syscall when memory is cached
-//   cudaMemcpyAsync(dev, p, bytes, cudaMemcpyHostToDevice, s);
 //   pool.record_use(p, s);               the library's own copies and pipelines do this for you
 //   pool.deallocate(p);                  p is handed out again only once s has passed this point
 //   pinned_pool::size_for(depth, in, out)  what reserve() needs for a pipeline's staging buffers
 //   pinned_pool_resource r = pool.resource();  a copyable cuda::mr view (the pool outlives it)
 //   default_pinned_pool()                the process-wide pool that copies stage through
 //
-//   pinned_pool_options, pinned_pool_stats, pool_exhausted   pinned_pool_options.hpp
-//   slab_source (where slabs come from), use_tracker (when the GPU is done)   their own headers
-//
-// A pool of page-locked host memory that reuses a freed block only once the GPU has passed every
-// point recorded with record_use(). At the cap (a quarter of the memory the process may use, by
-// default) a request waits a while for pending blocks, gives free slabs back, then throws
-// pool_exhausted. It is a std::pmr::memory_resource and a host- and device-accessible cuda::mr
-// resource, synchronous and stream-ordered. See docs/memory.md#pinned-pool.
+// At the cap (a quarter of the memory the process may use, by default) a request waits a while
+// for pending blocks, gives free slabs back, then throws pool_exhausted (pinned_pool_options.hpp).
+// See docs/memory.md#pinned-pool.
 
 #include <cudawait/memory/detail/block_heap.hpp>
 #include <cudawait/memory/detail/memory_limit.hpp>

@@ -7,10 +7,7 @@
 //   pinned_pool pool(pinned_pool_options{.upstream = std::make_shared<my_source>()});
 //
 // Where a pinned_pool's slabs come from: page-locked ranges of whole 2 MiB pages, 2 MiB-aligned.
-// The default maps anonymous memory (transparent huge pages requested), touches its pages on
-// several threads and registers it with cudaHostRegister; where registration fails it falls back
-// to cudaHostAlloc. numa_pool.hpp has a source that places slabs on one NUMA node. See
-// docs/memory.md#slab-sources-and-use-trackers.
+// See docs/memory.md#slab-sources-and-use-trackers.
 
 #include <cudawait/memory/literals.hpp>
 #include <cudawait/runtime/error.hpp>

@@ -5,20 +5,13 @@
 //   error, unique_id, communicator, wait_options   error.hpp, unique_id.hpp, communicator.hpp
 //   co_await wait(comm, stream, opts)                  the stream's work, the comm polled
 //   co_await all_reduce(send, recv, op, comm, stream, opts)       enqueue, then wait
-//            broadcast(send, recv, root, comm, stream, opts)      (send: read at the root)
-//            reduce(send, recv, op, root, comm, stream, opts)     (recv: written at the root)
-//            all_gather(send, recv, comm, stream, opts)           recv = size() x send
-//            reduce_scatter(send, recv, op, comm, stream, opts)   send = size() x recv
-//   all_reduce_async(send, recv, op, comm, stream)     ... the same, enqueue only: for groups
-//                                                      and for overlap by hand
+//            broadcast / reduce (root), all_gather, reduce_scatter     likewise
+//   all_reduce_async(send, recv, op, comm, stream)     ... enqueue only: for groups and overlap
 //   class group;          ncclGroupStart() now, ncclGroupEnd() at end() or in the destructor
 //
-// The collectives are enqueued at the call; the returned task, once awaited, awaits the work
-// its stream holds at the co_await and meanwhile polls the communicator's asynchronous error
-// every `poll`. On an error, or when `timeout` passes first, the communicator is aborted on a
-// thread of its own and the await throws nccl::error; the send and receive buffers must stay
-// alive until the stream drained. Several ranks driven by one thread enqueue in one group.
-// NCCL_NVLS_ENABLE=0 is needed on the machines this library is tested on. See docs/nccl.md.
+// On an error or a timeout the communicator is aborted and the await throws nccl::error; the
+// send and receive buffers must stay alive until the stream drained. NCCL_NVLS_ENABLE=0 is needed
+// on the machines this library is tested on. See docs/nccl.md#errors-and-timeouts.
 
 #include <cudawait/core/detail/detached.hpp>
 #include <cudawait/core/scheduler.hpp>

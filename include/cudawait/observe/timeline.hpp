@@ -2,25 +2,17 @@
 #pragma once
 
 // Synopsis
-//   timeline tl;                          spans of what ran where, on one clock: nanoseconds
-//                                         of std::chrono::steady_clock since tl was made
-//   opt.timeline = &tl;                   a pipeline records into it: per chunk its GPU spans
-//                                         ("h2d", "compute", "d2h" or "graph <slot>") and host
-//                                         spans ("stage-in", "stage-out", "wait", "fallback")
+//   timeline tl;                          spans of what ran where, on one steady_clock clock
+//   opt.monitoring.timeline = &tl;        a pipeline records its GPU and host spans into it
 //   tl.record(track, name, t0, t1, chunk) a host span from two steady_clock time points
-//   timeline_scope s(&tl, track, name);   a host span from here to the end of the scope (it
-//                                         may span co_await); a null timeline records nothing
+//   timeline_scope s(&tl, track, name);   a host span to the end of the scope (may span co_await)
 //   tl.anchor(device)                     pins the device's GPU clock to the host clock
-//   tl.record_gpu(device, track, name, start_event, end_event, chunk)
-//                                         a GPU span between two completed timing events
+//   tl.record_gpu(device, track, name, start_event, end_event, chunk)   a GPU span
 //   tl.spans()  tl.tracks()               the spans; the tracks, none with overlapping spans
-//   tl.write_chrome_trace(path | ostream) Chrome / Perfetto trace JSON
-//   tl.write_svg(path | ostream)          the same timeline as a plain SVG picture
+//   tl.write_chrome_trace(path | ostream)  tl.write_svg(path | ostream)
 //
-// GPU times come from timing events read once the work completed, measured from an anchor event
-// at most a few seconds old, so recording adds no synchronisation and GPU and host spans share
-// the host clock to within some microseconds. tracks() splits a host track whose spans overlap
-// into lanes ("wait", "wait #2", ...). Thread-safe. See docs/observe.md#timeline.
+// Recording adds no synchronisation: GPU times are read once the work completed. Thread-safe.
+// See docs/observe.md#timeline.
 
 #include <cudawait/observe/detail/json.hpp>
 #include <cudawait/runtime/device.hpp>

@@ -2,20 +2,12 @@
 #pragma once
 
 // Synopsis
-//   trace_range r("h2d", chunk);        an NVTX push/pop range "h2d" in the "cudawait" domain,
-//                                       the chunk index as its payload, on this thread until r
-//                                       ends; for code that does not suspend while r lives
-//   trace_async_range w("wait", chunk); an NVTX start/end range: may span co_await, and may end
-//                                       on another thread than it started on
+//   trace_range r("h2d", chunk);        an NVTX push/pop range in the "cudawait" domain, on this
+//                                       thread until r ends: no co_await while r lives
+//   trace_async_range w("wait", chunk); an NVTX start/end range: may span co_await
 //
-// A push/pop range held across a suspension would be closed by the pop of another coroutine
-// that ran on the thread meanwhile: a range that spans a co_await is a trace_async_range.
-// Without a profiler attached a range costs a call that returns at once; nothing is formatted.
-//
-// CUDAWAIT_DISABLE_NVTX may differ between the files of one program: it only keeps NVTX out of
-// the file, and no type, layout or inline function here depends on it. A range reaches NVTX
-// through detail::g_trace_calls, which every file that includes NVTX sets as the program starts.
-// See docs/observe.md#cudawait_disable_nvtx.
+// CUDAWAIT_DISABLE_NVTX may differ between the files of one program: no type, layout or inline
+// function here depends on it. See docs/observe.md#cudawait_disable_nvtx.
 
 #include <atomic>
 #include <cstddef>

@@ -6,13 +6,9 @@
 //   struct watchdog_options;  window, heartbeat, fail_awaits, on_stall
 //   class watchdog;           `watchdog wd(sched, {.window = 2s, .on_stall = report});`
 //
-// A device stalls when awaits are pending on its streams and, for the whole window, none of the
-// scheduler's stream awaits on it completed and (with the heartbeat on) its heartbeat, a
-// one-thread kernel on a lowest-priority stream, did not beat either. The check runs on the
-// scheduler's loop; a stall is reported once. A kernel that hangs on a few SMs leaves room for
-// the heartbeat and is not reported: bound such waits with with_timeout. With fail_awaits the
-// device's awaits throw stall_error; nothing is cancelled. Construct, use and destroy a watchdog
-// on the scheduler's thread or while nobody drives it. See docs/observe.md#watchdog.
+// Reports a device whose pending awaits made no progress for a whole window. Construct, use and
+// destroy a watchdog on the scheduler's thread or while nobody drives it. See
+// docs/observe.md#watchdog.
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>

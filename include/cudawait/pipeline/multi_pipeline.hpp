@@ -3,19 +3,14 @@
 
 // Synopsis
 //   multi_pipeline_options o;        devices (empty: every visible one), shards_per_device,
-//                                    per_shard (a pipeline_options: chunk size, depth, ...)
+//                                    per_shard (a pipeline_options)
 //   multi_pipeline<float> mp(o, {stage...}, fallback);    stages and fallback as pipeline's
 //   co_await mp.run(host_in, host_out);                   batch over every shard
-//   auto slot = co_await mp.acquire();  fill(slot.data());  mp.submit(std::move(slot), n);
-//   while (auto r = co_await mp.next()) use(r->data());  // global submission order
-//   mp.close();   co_await mp.acquire(50ms);  co_await mp.next(deadline);   // as pipeline's
+//   acquire, submit, next, close as pipeline's            global submission order
 //   mp.stats()    per_shard, combined, rescued_chunks, shard_devices
 //
-// Data parallel over several GPUs: a pipeline<In, Out> per shard (devices x shards_per_device,
-// shard i on devices[i % devices.size()]), all driven from one scheduler thread. A batch is cut
-// into one part per shard, the output in input order; streaming deals slots round-robin over
-// the healthy shards and delivers in global submission order; a chunk a shard gives up is
-// rescued on another shard's GPU, else by the fallback. Not thread-safe. The manual:
+// Data parallel over several GPUs: a pipeline per shard, all driven from one scheduler thread; a
+// chunk a shard gives up is rescued on another GPU, else by the fallback. Not thread-safe. See
 // docs/pipeline.md#multi_pipeline.
 
 #include <cudawait/core/detail/wait_list.hpp>

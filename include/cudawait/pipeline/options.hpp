@@ -2,23 +2,16 @@
 #pragma once
 
 // Synopsis
-//   pipeline_options  how a pipeline is built: depth, chunk_elements, output_elements, graph
-//                     flat; .streams (device, compute streams, priorities, stage_streams),
-//                     .memory (scratch, chunk groups, streaming queue, pool, device resource),
-//                     .monitoring (timing, alerts, timeline), .recovery (chunk_timeout,
-//                     retries, recover_after, on_degrade, report_path); validate()
-//   pipeline_stats    what a batch run (or the streaming session so far) achieved
-//   latency_summary   per-chunk latency percentiles (pipeline_stats::latency)
-//   pipeline_alert    passed to on_alert when achieved bandwidth, or the link's utilisation,
-//                     stays low (alert_kind says which; to_string names it)
-//   chunk_failure     passed to on_degrade for each degradation step: the chunk, the
-//                     configuration, streams and data pointers, the level and action
-//                     (degrade_level, degrade_action; to_string names them) and the error
+//   pipeline_options  depth, chunk_elements, output_elements, graph; .streams, .memory,
+//                     .monitoring, .recovery; validate()
+//   pipeline_stats    what a batch run (or the streaming session so far) achieved; .latency
+//   pipeline_alert    passed to on_alert when bandwidth or the link's utilisation stays low
+//   chunk_failure     passed to on_degrade for each degradation step
 //   chunk_error       what went wrong: CUDA status, sticky, timed out, or another exception
 //   pipeline_error    a batch (or a streamed chunk) failed and no fallback took over
 //
-// The value types of pipeline.hpp, on their own so that the pipeline's parts (detail/
-// pipeline_*.hpp) can use them below the pipeline facade.
+// The value types of pipeline.hpp, on their own so that the pipeline's parts can use them. See
+// docs/pipeline.md#options.
 
 #include <cudawait/memory/device_resource.hpp>
 #include <cudawait/runtime/error.hpp>

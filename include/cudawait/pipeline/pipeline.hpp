@@ -2,9 +2,7 @@
 #pragma once
 
 // Synopsis
-//   pipeline<float> pipe(options, {stage...}, fallback);      options: pipeline/options.hpp
-//     stage:    void(std::span<float> dev_in, std::span<float> dev_out, const stage_context& c),
-//               launching on c.stream; or a group stage taking a group_context (stage.hpp)
+//   pipeline<float> pipe(options, {stage...}, fallback);   options.hpp; stages: stage.hpp
 //     fallback: void(std::size_t chunk, std::span<const float> in, std::span<float> out)
 //   Batch:      co_await pipe.run(host_in, host_out);
 //   Streaming:  auto slot = co_await pipe.acquire();  fill(slot.data());
@@ -13,12 +11,8 @@
 //               pipe.close();  co_await pipe.acquire(50ms);  co_await pipe.next(deadline);
 //   Afterwards: pipe.stats(), pipe.failures(), pipe.write_report(path)
 //
-// An N-buffered H2D -> stages -> D2H pipeline over chunks, on non-blocking streams ordered by
-// events only; the host waits by co_await. Stages are chained (each reads the previous stage's
-// output); a chunk that fails is retried with less depth, then handed to the fallback, and every
-// chunk is produced once or reported failed. A streaming session and batches exclude each
-// other. The manual (stages, batches, streaming and views, chunk groups, graphs, recovery, the
-// report, the options) is docs/pipeline.md.
+// An N-buffered H2D -> stages -> D2H pipeline over chunks; every chunk is produced once or
+// reported failed. A streaming session and batches exclude each other. See docs/pipeline.md.
 
 #include <cudawait/copy/detail/link_peak.hpp>
 #include <cudawait/core/task.hpp>

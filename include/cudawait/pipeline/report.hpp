@@ -6,18 +6,8 @@
 //   write_report(path, options, stats, failures)   the same into a file (throws when it cannot)
 //   pipeline::write_report(out | path)             the pipeline's own (pipeline.hpp)
 //
-// The report joins what a failure needs to be understood later: the configuration, the
-// performance snapshot and the degradation records, with the device they ran on:
-//   {"options": {the fields of pipeline_options but device_resource, nested as there ("streams",
-//                "memory", "monitoring", "recovery"); callbacks and the timeline as whether they
-//                are set, the pool as a hex pointer, chunk_timeout in nanoseconds},
-//    "stats":   {every pipeline_stats field, "latency": {p50/p90/p99/max seconds, samples}},
-//    "failures": [{every chunk_failure field; level and action by name; streams and pointers as
-//                  hex strings; "error": {"status" (name), "status_code", sticky, timed_out,
-//                  "exception" (whether one is held), "what"}}],
-//    "device":  {"id", "name" (null, with "error", when the runtime cannot tell)}}
-// pipeline_options::recovery_options::report_path makes the pipeline write it on failure
-// (pipeline.hpp).
+// The options, the stats, the degradation records and the device; the layout is in
+// docs/pipeline.md#the-report.
 
 #include <cudawait/observe/detail/json.hpp>
 #include <cudawait/pipeline/options.hpp>

@@ -2,34 +2,16 @@
 #pragma once
 
 // Synopsis
-//   struct stage_context;          what a pipeline stage is told about the chunk it launches:
-//                                  stream, slot, stage index, device, chunk, scratch
 //   pipeline_stage<In, Out> st = [](std::span<In> in, std::span<Out> out,
 //                                   const stage_context& ctx) { launch on ctx.stream; };
 //   pipeline_stage<In, Out> st = [](std::span<In> in, std::span<Out> out, stream_ref s) {...};
-//   st(in, out, ctx);              calls either form
-//   struct group_context;          what a group stage is told: a run of consecutive chunks
-//                                  (pipeline_options::memory_options::group_bytes) launched as one
 //   pipeline_stage<In, Out> st = [](std::span<In> in, std::span<Out> out,
 //                                   const group_context& g) { one launch for g.chunks chunks };
-//   st.run_group(in, out, g);      a group stage once; a per-chunk stage once per chunk
+//   st(in, out, ctx);  st.run_group(in, out, g);   a per-chunk stage runs once per chunk
 //
-// pipeline<In, Out>::stage is this type. The two per-chunk forms are stored as the context
-// form, once, when the stage is made: calling it allocates nothing. A callable that accepts the
-// stream form is taken as that form (so existing stages, generic lambdas among them, keep their
-// meaning); one written for the context should name `const cudawait::stage_context&` as its
-// parameter type, and a group stage `const cudawait::group_context&`. An empty std::function or
-// a null function pointer makes an empty stage, as std::function does.
-//
-// Group stages. With chunk groups a pipeline moves G consecutive chunks as one unit, and the
-// per-chunk launches become the limit for small chunks (a launch costs a few microseconds of
-// host time, a 64 KiB copy about as much). A group stage is called once per group with spans
-// over all of the group's chunks, laid out back to back: chunk j of the group starts at
-// j x in_stride in `in` and j x out_stride in `out`, and only the last chunk may be shorter
-// (group_context::input_chunk / output_chunk cut a chunk's span out). A per-chunk stage in a
-// grouped pipeline is called once per chunk of the group, in order, each with its chunk's
-// stage_context (group_context::chunk_context); a group stage in a pipeline without groups gets
-// groups of one chunk. Called with a stage_context, a group stage sees a group of one chunk.
+// pipeline<In, Out>::stage is this type; a stage is stored once, as the context form, so calling
+// it allocates nothing. A callable that accepts the stream form is taken as that form. See
+// docs/pipeline.md#stages.
 
 #include <cudawait/runtime/stream.hpp>
 

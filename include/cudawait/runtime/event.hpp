@@ -3,19 +3,14 @@
 
 // Synopsis
 //   class event;        owning cudaEvent_t (timing disabled unless asked)
-//   class event_pool;   per-device cache of recycled cudaEventDisableTiming events (for_device
-//                       throws usage_error in a child made by fork() after the parent used it)
+//   class event_pool;   per-device cache of recycled cudaEventDisableTiming events
 //   class pooled_event; an event borrowed from a pool, given back when it goes out of scope
 //   class event_ref;    trivially copyable view of any of the above or of a raw cudaEvent_t
 //   e.record(stream)  e.is_done()  e.sync()   on event, pooled_event and event_ref
-//   s.wait(e)           a stream's later work waits for e (stream.hpp), any event_like e
-//   concept event_like<T>; an event type of another library (cuda::event_ref, ...): a class
-//                       explicitly convertible to cudaEvent_t, or one with .event() or .get()
-//                       returning it
-//   native_event(x)     the cudaEvent_t of an event_like x
+//   concept event_like<T>;  native_event(x)   an event type of another library
 //
-// Inside a task, `co_await ev` resumes once the work captured by the event's last record
-// finished; `ev` may be any event_like type (docs/runtime.md#events).
+// `co_await ev` resumes once the work captured by the event's last record finished. See
+// docs/runtime.md#events.
 
 #include <cudawait/runtime/detail/event_ops.hpp>
 #include <cudawait/runtime/detail/event_pool.hpp>

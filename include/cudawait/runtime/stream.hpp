@@ -2,22 +2,16 @@
 #pragma once
 
 // Synopsis
-//   class stream_ref;  trivially copyable view of a cudaStream_t; converts to and from
-//                      cudaStream_t and (when libcu++ is on the include path) cuda::stream_ref
+//   class stream_ref;  trivially copyable view of a cudaStream_t (and cuda::stream_ref)
 //   class stream;      owning, non-blocking stream with a priority; synchronised before it is
 //                      destroyed; release() / from_native_handle() hand ownership across
-//   s.is_done()  s.sync()  s.device()  s.priority()   on both
-//   s.wait(ev)     later work on s waits for an event_like ev (event.hpp; cudaStreamWaitEvent)
-//   s.wait(other)  ... for the work enqueued on another stream so far (a pooled event recorded)
-//   stream s(dev, priority)  on a device (an int id or a device_ref), else the current one
-//   concept stream_like<T>;  a stream type of another library (PyTorch's CUDAStream, rmm's
-//                      cuda_stream_view, cuda::stream_ref, ...): a class explicitly convertible
-//                      to cudaStream_t, or one with .stream(), .value() or .get() returning it
-//   native_stream(x)   the cudaStream_t of a stream_like x
+//   stream s(dev, priority)   s.is_done()  s.sync()  s.device()  s.priority()
+//   s.wait(ev)  s.wait(other)  later work on s waits for an event_like ev, or another stream
+//   concept stream_like<T>;  native_stream(x)   a stream type of another library
 //
-// Inside a task, `co_await s` resumes once all work enqueued on `s` before the await finished;
-// `s` may be any stream_like type. Streams made here do not wait for the legacy default stream,
-// nor it for them: order the two with an event (docs/runtime.md#streams).
+// `co_await s` resumes once all work enqueued on `s` before the await finished. Streams made here
+// do not wait for the legacy default stream: order the two with an event. See
+// docs/runtime.md#streams.
 
 #include <cudawait/runtime/detail/stream_ops.hpp>
 #include <cudawait/runtime/device.hpp>
