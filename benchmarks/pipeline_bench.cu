@@ -36,6 +36,17 @@
 //      max(bidirectional, kernel alone): in steady state one chunk's H2D and another's D2H share
 //      the link, so the copy stages are timed together. The same against the one-way stage
 //      times, max(h2d, kernel, d2h alone), is printed for information.
+//   2b. Heavy kernel by poll policy (bench_policy.hpp), 4 GiB, 64 MiB chunks, pinned; per depth
+//      2, 3 and 4 one warm-up run of each variant, then 5 rounds, the order rotating:
+//        BM_heavy_policy/<policy>_depth<d>  the heavy pipeline at depth d (otherwise default
+//                                           options) on a scheduler built with that preset
+//                                           poll_policy: balanced, sentinels, sleeping, yielding,
+//                                           spinning (a scheduler per preset, a pipeline per
+//                                           preset and depth, built once)
+//        BM_heavy_policy/raw_ring<d>        the hand-written pipeline with a ring of d slots
+//      Summary per depth and preset: library / raw_ring<d> (>= 0.99) and library / the max-stage
+//      bound of 2, max(bidirectional, kernel alone) (>= 0.95), from 2's runs (measured first
+//      when 2 did not run), as throughputs; a last line names every miss.
 //   3. Chunk size, light kernel, pinned: 64 KiB and 256 KiB chunks over 512 MiB, 1, 8 and
 //      64 MiB chunks over 4 GiB; graph mode off and on; depths 2, 3, 4, 6 and 8 (one warm-up run
 //      per pipeline, 5 rounds alternating graph off/on per depth):
@@ -157,6 +168,7 @@
 #include <cuda_runtime.h>
 
 #include "bench_pipeline_work.hpp"
+#include "bench_policy.hpp"
 #include "bench_raw_pipeline.hpp"
 #include "bench_support.hpp"
 #include <benchmark/benchmark.h>
@@ -393,9 +405,10 @@ double checked_library_run(work w, cudawait::scheduler& sched, float_pipeline& p
 // ---- the hand-written variants ------------------------------------------------------------------
 
 /// The hand-written variants' resources (bench_raw_pipeline.hpp), created once per comparison:
-/// the ring with kSlots slots, and a stream of default priority for the serial variant.
+/// the ring with `slots` slots, and a stream of default priority for the serial variant.
 struct hand_written {
-    raw_pipeline ring{kChunk, kSlots};
+    explicit hand_written(unsigned slots = kSlots) : ring(kChunk, slots) {}
+    raw_pipeline ring;
     cudawait::stream serial{cudawait::device_ref(0), 0}; // destroyed (synchronised) first
 
     void sync_all() const {
@@ -501,6 +514,48 @@ void BM_heavy(benchmark::State& state, std::string variant) {
     guarded(state, [&] {
         g_heavy_s[variant] = replay_variant(state, "heavy", measure_heavy, variant, kTotalBytes);
         state.counters["heavy_K"] = g_cal.k;
+    });
+}
+
+// ---- 2b. heavy kernel by poll policy ------------------------------------------------------------
+
+/// Per depth of kPolicyDepths, the heavy pipeline on a scheduler of every preset policy and the
+/// ring of that depth, side by side (bench_policy.hpp). A scheduler per preset, kept across the
+/// depths; the pipelines of a depth are built before its runs.
+runs_by_variant measure_heavy_policy() {
+    workload& w = work_data();
+    std::vector<std::unique_ptr<cudawait::scheduler>> scheds; // outlive the pipelines
+    for (const policy_preset& p : kPolicyPresets) {
+        scheds.push_back(std::make_unique<cudawait::scheduler>(p.policy));
+    }
+    hand_written hw(std::ranges::max(kPolicyDepths));
+    runs_by_variant runs;
+    for (unsigned depth : kPolicyDepths) {
+        std::vector<std::unique_ptr<float_pipeline>> pipes;
+        for (std::size_t p = 0; p < scheds.size(); ++p) {
+            pipes.push_back(make_pipeline(work::heavy, depth, kChunk, false, false));
+        }
+        const std::vector<std::string> names = policy_variants(depth);
+        runs.merge(interleaved(kRounds, names, [&](std::size_t v) {
+            const std::string what = "heavy_policy/" + names[v];
+            if (v == pipes.size()) {
+                return checked_hand_run(hw, work::heavy, depth, w.in.data(), w.out.data(), kTotal,
+                                        what);
+            }
+            return checked_library_run(work::heavy, *scheds[v], *pipes[v], w.in.data(),
+                                       w.out.data(), kTotal, what);
+        }));
+    }
+    hw.sync_all();
+    return runs;
+}
+
+void BM_heavy_policy(benchmark::State& state, std::string variant) {
+    guarded(state, [&] {
+        // The bound comes from section 2's runs, measured here when 2 did not run.
+        set_policy_bounds(measured_once(g_measured, "heavy", measure_heavy));
+        g_policy.seconds[variant] =
+            replay_variant(state, "heavy_policy", measure_heavy_policy, variant, kTotalBytes);
     });
 }
 
@@ -954,6 +1009,12 @@ void register_benchmarks() {
     for (const char* v : kHeavyVariants) {
         register_manual(std::string("BM_heavy/") + v, kRounds, &BM_heavy, std::string(v));
     }
+    // 2b. Each iteration is one 4 GiB run.
+    for (unsigned d : kPolicyDepths) {
+        for (const std::string& v : policy_variants(d)) {
+            register_manual("BM_heavy_policy/" + v, kRounds, &BM_heavy_policy, v);
+        }
+    }
     // 3. Each iteration is one run at the case's specified depth.
     for (const chunk_case& c : kChunkCases) {
         for (bool graph : {false, true}) {
@@ -1358,6 +1419,7 @@ void print_summary() {
     print_calibration();
     print_light_summary();
     print_heavy_summary();
+    print_policy_summary(kTotalBytes, kRounds);
     print_chunk_summary();
     print_host_memory_summary();
     print_stats_summary();
