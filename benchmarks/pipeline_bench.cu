@@ -68,6 +68,9 @@
 //                                           chunks per group)
 //      Summary: per size, the best of these four (named) / the 64 MiB figure (the better of
 //      plain and graph at the specified depth): 1 MiB >= 0.95, 256 KiB >= 0.85, 64 KiB >= 0.5.
+//      And what default options give (pipeline_options{} with the chunk size: the table's plain
+//      runs at depth 2, the per-chunk stage) / the same 64 MiB figure: 1 MiB >= 0.97, 256 KiB
+//      >= 0.95, 64 KiB >= 0.85.
 //   4. Host memory, light kernel, 64 MiB chunks, depth 3, 4 GiB (one pipeline, runs alternating):
 //        BM_host_memory/pinned              the pinned input and output of 1
 //        BM_host_memory/pageable            std::vector input and output, pre-touched
@@ -102,6 +105,8 @@
 //      copies its item in (host memcpy) and submits it; a consumer coroutine takes the results
 //      with next() and copies each out; both run on one scheduler (when_all).
 //        BM_stream_small/depth<d>           depth d (16 and 64), queue_capacity 2 x d
+//        BM_stream_small/default_options    pipeline_options{} with the item size only (depth 2,
+//                                           the default queue_capacity, no groups chosen)
 //        BM_stream_small/grouped_depth<d>   chunk groups (group_bytes = default_group_bytes:
 //                                           64 items per slot group), depth d (4 and 8) slot
 //                                           groups, queue_capacity 2 x d groups; the light
@@ -121,8 +126,9 @@
 //                                           a run's copies are one cudaMemcpyBatchAsync each way
 //                                           over its items' spans
 //      Summary: the best variant of all (named) / the 64 MiB batch figure of 3 (>= 0.35); the
-//      best view variant (named) / the same (>= 0.35); the best variant / host_fill_bound, and
-//      host_fill_bound / the 64 MiB figure, for information.
+//      best view variant (named) / the same (>= 0.35); default_options / host_fill_bound (>= 0.9);
+//      the best variant / host_fill_bound, and host_fill_bound / the 64 MiB figure, for
+//      information.
 //
 // GB/s means 10^9 input bytes per second of host wall time (steady_clock around the whole
 // batch, including its synchronisation); every figure in the summary is a median. All variants
@@ -223,6 +229,10 @@ struct group_target {
     double target;
 };
 constexpr group_target kGroupTargets[] = {{64_KiB, 0.5}, {256_KiB, 0.85}, {1_MiB, 0.95}};
+/// 3, default options (pipeline_options{} with the chunk size: depth 2, no graph, no groups
+/// chosen by the caller) and the per-chunk stage (the table's plain/d2 runs) / the 64 MiB
+/// figure, at least, per chunk size.
+constexpr group_target kDefaultTargets[] = {{64_KiB, 0.85}, {256_KiB, 0.95}, {1_MiB, 0.97}};
 constexpr const char* kGroupVariants[] = {"grouped", "grouped_graph", "group_stage",
                                           "group_stage_16MiB"};
 /// The group size of the group_stage_16MiB variant (64 KiB chunks: max_group_chunks).
@@ -259,6 +269,9 @@ std::vector<std::string> stream_view_names() {
 }
 /// 7, the host copies alone: the producer's and consumer's memcpy per item, one thread.
 constexpr const char* kStreamFillBound = "host_fill_bound";
+/// 7, default options: pipeline_options{} with the item size only, items copied into slots.
+constexpr const char* kStreamDefault = "default_options";
+constexpr double kStreamDefaultTarget = 0.9; ///< default_options / host_fill_bound, at least
 constexpr std::size_t kStreamFillRingBytes = 32_MiB;
 /// Section 4: pageable / host-copy bound, and registered / pinned, at least.
 constexpr double kPageableTarget = 0.85;
@@ -924,6 +937,15 @@ runs_by_variant measure_stream_small() {
         names.push_back("depth" + std::to_string(d));
         views.push_back(false);
     }
+    {
+        cudawait::pipeline_options o;
+        o.chunk_elements = item;
+        std::vector<float_pipeline::stage> stages;
+        stages.emplace_back(light_stage{});
+        pipes.push_back(std::make_unique<float_pipeline>(std::move(o), std::move(stages)));
+        names.push_back(kStreamDefault);
+        views.push_back(false);
+    }
     for (const stream_group_case& c : kStreamGroupCases) {
         pipes.push_back(grouped_pipe(c));
         names.push_back(stream_group_name(c));
@@ -1048,6 +1070,8 @@ void register_benchmarks() {
         const std::string v = "depth" + std::to_string(d);
         register_manual("BM_stream_small/" + v, kRounds, &BM_stream_small, v);
     }
+    register_manual(std::string("BM_stream_small/") + kStreamDefault, kRounds, &BM_stream_small,
+                    std::string(kStreamDefault));
     for (const stream_group_case& c : kStreamGroupCases) {
         const std::string v = stream_group_name(c);
         register_manual("BM_stream_small/" + v, kRounds, &BM_stream_small, v);
@@ -1239,6 +1263,14 @@ void print_chunk_summary() {
                 ref_specified, kChunkTarget);
     print_ratio("1 MiB / 64 MiB, better of plain and graph, best depths", target_best, ref_best,
                 kChunkTarget);
+    // Default options, per-chunk stage: what a user who sets only the chunk size gets.
+    const unsigned default_depth = cudawait::pipeline_options{}.depth; // one of kSweepDepths
+    for (const group_target& t : kDefaultTargets) {
+        print_ratio(size_name(t.bytes) + " / 64 MiB, default options (plain, depth " +
+                        std::to_string(default_depth) + ")",
+                    find(g_chunk_gbps, size_name(t.bytes) + "/" + chunk_key(false, default_depth)),
+                    ref_specified, t.target);
+    }
     // Chunk groups: the best grouped variant of each size against the 64 MiB figure.
     for (const group_target& t : kGroupTargets) {
         std::optional<double> best;
@@ -1380,6 +1412,7 @@ void print_stream_summary() {
     for (unsigned d : kStreamDepths) {
         variants.push_back("depth" + std::to_string(d));
     }
+    variants.push_back(kStreamDefault);
     for (const stream_group_case& c : kStreamGroupCases) {
         variants.push_back(stream_group_name(c));
     }
@@ -1408,6 +1441,8 @@ void print_stream_summary() {
     print_ratio("streaming " + size_name(kStreamItemBytes) + " views (" + view_name +
                     ") / 64 MiB batch",
                 best_view, reference_64mib(), kStreamTarget);
+    print_ratio("streaming, default options / host_fill_bound", find(g_stream_gbps, kStreamDefault),
+                bound, kStreamDefaultTarget);
     print_ratio("streaming (" + name + ") / host_fill_bound (for information)", best, bound,
                 std::nullopt);
     print_ratio("host_fill_bound / 64 MiB batch (for information)", bound, reference_64mib(),
