@@ -116,6 +116,13 @@ void poll_until_quiet(scheduler& sched) {
     }
 }
 
+/// Runs `in` through `pipe` into `out`, then sets `finished`.
+task<void> run_batch(cudawait::pipeline<u32>& pipe, std::span<const u32> in, std::span<u32> out,
+                     bool& finished) {
+    co_await pipe.run(in, out);
+    finished = true;
+}
+
 // ---- how far ahead ------------------------------------------------------------------------------
 
 // A batch over pinned ranges: with no chunk completing, the host enqueued runahead x depth chunks
@@ -136,11 +143,7 @@ TEST_F(runahead, a_pinned_batch_enqueues_runahead_times_depth_chunks_before_one_
         fake::hang(p.d2h_stream().get());
         scheduler sched(poll_policy::yielding());
         bool done = false;
-        sched.spawn([](cudawait::pipeline<u32>& pipe, std::span<const u32> i, std::span<u32> o,
-                       bool& finished) -> task<void> {
-            co_await pipe.run(i, o);
-            finished = true;
-        }(p, pin.span(), pout.span(), done));
+        sched.spawn(run_batch(p, pin.span(), pout.span(), done));
         poll_until_quiet(sched);
         EXPECT_FALSE(done);
         EXPECT_EQ(st.calls->size(), kRunahead * depth) << "chunks enqueued before a completion";
@@ -167,11 +170,7 @@ TEST_F(runahead, a_pageable_batch_keeps_one_chunk_per_slot_in_flight) {
     fake::hang(p.d2h_stream().get());
     scheduler sched(poll_policy::yielding());
     bool done = false;
-    sched.spawn([](cudawait::pipeline<u32>& pipe, std::span<const u32> i, std::span<u32> o,
-                   bool& finished) -> task<void> {
-        co_await pipe.run(i, o);
-        finished = true;
-    }(p, in, out, done));
+    sched.spawn(run_batch(p, in, out, done));
     poll_until_quiet(sched);
     EXPECT_FALSE(done);
     EXPECT_EQ(st.calls->size(), depth) << "chunks enqueued before a completion";
