@@ -9,9 +9,11 @@
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <coroutine>
+#include <cstddef>
 #include <exception>
 #include <stop_token>
 #include <string>
@@ -152,6 +154,47 @@ TEST_F(fake_runtime, a_reused_stream_handle_of_another_device_is_a_new_stream) {
     };
     EXPECT_TRUE(sync_wait(s, body())) << "the fake did not reuse the handle";
     EXPECT_EQ(fake::dead_handle_calls(), 0u);
+}
+
+// Host-function sentinels are armed only in a long wait (8 ms or more, with the coming sleep):
+// while one is pending the device slows other streams' work, so a pipeline whose chunks complete
+// every few milliseconds must never arm one. The policy below has its back-off at the longest at
+// once, so a loop that armed sentinels by the back-off alone would arm them in the first sleep
+// of any wait. The fake runtime refuses host functions: every attempt shows as a call.
+cudawait::poll_policy sleeps_at_once() {
+    cudawait::poll_policy p = cudawait::poll_policy::balanced();
+    p.spin = p.yield = std::chrono::nanoseconds(0);
+    p.sleep_min = p.sleep_max = std::chrono::microseconds(500);
+    p.predict = false;
+    return p;
+}
+
+task<void> await_stream(stream_ref s) { co_await s; }
+
+// Host functions the loop tried to arm in one wait of about `d`.
+std::size_t host_functions_armed_in_a_wait_of(std::chrono::milliseconds d) {
+    const std::size_t before = fake::calls("cudaLaunchHostFunc");
+    scheduler s(sleeps_at_once());
+    cudawait::stream st;
+    fake::hang(st.get());
+    std::jthread releaser([&] {
+        std::this_thread::sleep_for(d);
+        fake::release(st.get());
+    });
+    sync_wait(s, await_stream(st));
+    return fake::calls("cudaLaunchHostFunc") - before;
+}
+
+TEST_F(fake_runtime, host_function_sentinels_are_armed_only_in_a_long_wait) {
+    // A short wait arms none; the smallest of three trials, so that one late release on a
+    // loaded machine does not decide it (a loop arming by the back-off arms in every trial).
+    std::size_t fewest = ~std::size_t{0};
+    for (int trial = 0; trial < 3; ++trial) {
+        fewest = std::min(fewest, host_functions_armed_in_a_wait_of(1ms));
+    }
+    EXPECT_EQ(fewest, 0u) << "host-function sentinels armed in a 1 ms wait";
+    EXPECT_GE(host_functions_armed_in_a_wait_of(60ms), 1u)
+        << "no host-function sentinel armed in a 60 ms wait";
 }
 
 } // namespace

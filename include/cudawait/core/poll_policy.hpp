@@ -2,7 +2,7 @@
 #pragma once
 
 // Synopsis
-//   poll_policy::balanced()     the default: spin, yield, then sleep woken by sentinels
+//   poll_policy::balanced()     the default: spin, yield, then sleep (sentinels in long waits)
 //   poll_policy::sentinels()    balanced(), the loop blocking in the driver on a doorbell
 //   poll_policy::sleeping()     sleeps between polls from the start: little CPU
 //   poll_policy::yielding()     polls between std::this_thread::yield() calls
@@ -27,7 +27,8 @@ struct poll_policy {
     std::chrono::nanoseconds sleep_min = std::chrono::microseconds(20);
     /// ... to `sleep_max`.
     std::chrono::nanoseconds sleep_max = std::chrono::microseconds(1000);
-    /// Sentinels wake the sleep phase when the GPU work completes.
+    /// Sentinels wake the sleep phase when the GPU work completes (host functions: only in waits
+    /// of 8 ms or more, see docs/core.md#poll-policies).
     bool sentinel = true;
     /// While sentinels watch every pending wait, the loop still polls this often.
     std::chrono::nanoseconds sentinel_poll = std::chrono::milliseconds(50);
@@ -56,8 +57,8 @@ struct poll_policy {
         p.sentinel = false;
         return p;
     }
-    /// The default: spin 200 us, yield until 1 ms, then sleep, woken by host-function sentinels
-    /// and by the end that the last idle periods predict.
+    /// The default: spin 200 us, yield until 1 ms, then sleep, woken by the end that the last
+    /// idle periods predict and, in waits of 8 ms or more, by host-function sentinels.
     [[nodiscard]] static constexpr poll_policy balanced() noexcept { return {}; }
     /// balanced(), but the sentinels ring a doorbell the loop thread blocks on in the driver
     /// (polling every 10 ms); the doorbell's wait holds one of the device's hardware queues.

@@ -100,15 +100,18 @@ public:
             }
             // Sentinels cost driver calls to arm and a host function (or a doorbell round) to
             // fire: they are armed once the back-off has grown to sleep_max, or at once where the
-            // predicted end is further away than a few of the longest sleeps.
+            // predicted end is further away than a few of the longest sleeps; host-function
+            // sentinels only in a wait of host_function_after or more.
             const bool long_wait = backoff >= policy.sleep_max || (wake_at && far);
             if (policy.sentinel && long_wait) {
                 if (policy.doorbell && !timed &&
                     doorbell_wait(policy, waits, remote.posted, wake_at)) {
                     return;
                 }
-                watched = watch_pending(waits);
-                now = clock::now();
+                if (host_function_wait(idle_for + backoff, wake_at, now)) {
+                    watched = watch_pending(waits);
+                    now = clock::now();
+                }
             }
         }
         std::unique_lock lock(remote.mutex);
@@ -132,6 +135,22 @@ public:
         } else {
             remote.cv.wait(lock);
         }
+    }
+
+    /// A wait is long enough for host-function sentinels once it has lasted this long with the
+    /// coming sleep, or once its predicted end is this far away. While a host function is
+    /// pending, the device runs other streams' copies and kernels measurably slower
+    /// (pipeline_bench section 2b: armed after ~2 ms of idle, a heavy pipeline fell to 0.86-0.93
+    /// of the hand-written ring), so a pipeline whose chunks complete more often than this never
+    /// arms one; its loop sleeps with the back-off or towards a predicted end instead.
+    static constexpr std::chrono::milliseconds host_function_after{8};
+
+    /// Whether a wait that has lasted `waited` (with the coming sleep), or that is predicted to
+    /// end at `wake_at`, is long enough for host-function sentinels.
+    [[nodiscard]] static bool host_function_wait(std::chrono::nanoseconds waited,
+                                                 std::optional<clock::time_point> wake_at,
+                                                 clock::time_point now) noexcept {
+        return waited >= host_function_after || (wake_at && *wake_at - now >= host_function_after);
     }
 
 private:
