@@ -290,6 +290,7 @@ TEST_F(copy_lane_gpu, where_the_kernel_cannot_be_loaded_copy_engines_make_the_co
         try {
             constexpr u32 salt = 0x5e1f;
             cudawait::pipeline_options o;
+            o.memory.group_bytes = 0; // one chunk per flight
             o.chunk_elements = 4096;
             cudawait::pipeline<u32> pipe(
                 o, {[](std::span<u32> in, std::span<u32> out, cudawait::stream_ref st) {
@@ -683,6 +684,7 @@ TEST_F(copy_lane_gpu, a_chunk_s_work_is_seen_once_the_chunk_is_enqueued) {
     flag.write(0, 0);
     const std::size_t chunk = 1 << 12;
     cudawait::pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.depth = 2;
     o.chunk_elements = chunk;
     constexpr u32 salt = 0x3d15;
@@ -760,6 +762,7 @@ TEST_F(copy_lane_gpu, a_pipeline_s_pending_chunk_sends_small_d2h_copies_to_the_s
         flag.write(0, 0);
         const std::size_t chunk = 1 << 16;
         cudawait::pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.depth = 2;
         o.chunk_elements = chunk;
         constexpr u32 salt = 0x77e1;

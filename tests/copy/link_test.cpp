@@ -164,6 +164,7 @@ struct alert_count {
 
 pipeline_options utilisation_options(std::size_t chunk, alert_count& count) {
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 4;
     o.monitoring.timing = true;

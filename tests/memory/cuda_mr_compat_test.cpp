@@ -60,6 +60,7 @@ TEST(cuda_mr_compat, a_newer_cccl_resource_becomes_a_device_resource) {
     EXPECT_FALSE(r.is_default());
     EXPECT_TRUE(r == r2);
     cudawait::pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.memory.device_resource = ref;
     EXPECT_FALSE(o.memory.device_resource.is_default());
     o.memory.device_resource = nullptr;

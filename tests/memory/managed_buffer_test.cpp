@@ -195,6 +195,7 @@ TEST_F(managed_gpu, a_pipeline_batch_over_managed_ranges_is_exact) {
     std::copy(words.begin(), words.end(), in.begin());
     std::fill(out.begin(), out.end(), 0xdeadbeefu);
     cudawait::pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     cudawait::scheduler sched;

@@ -670,6 +670,7 @@ TEST_F(timeline_gpu, a_pipeline_timeline_has_a_span_per_chunk_and_stage_and_the_
         x = static_cast<u32>(rng());
     }
     cudawait::pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk spans
     o.chunk_elements = chunk;
     o.depth = 3;
     cudawait::scheduler sched;
@@ -764,6 +765,7 @@ TEST_F(timeline_gpu, pageable_ranges_show_stage_in_and_stage_out_per_chunk) {
     std::vector<u32> out(n, 0xdeadbeefu);
     timeline tl;
     cudawait::pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk spans
     o.chunk_elements = chunk;
     o.depth = 2;
     o.monitoring.timeline = &tl;

@@ -95,6 +95,7 @@ multi_pipeline_options options_for(std::vector<int> devices, unsigned shards_per
     o.devices = std::move(devices);
     o.shards_per_device = shards_per_device;
     o.per_shard.chunk_elements = chunk;
+    o.per_shard.memory.group_bytes = 0; // one chunk per flight
     o.per_shard.depth = depth;
     return o;
 }
@@ -111,6 +112,7 @@ TEST(multi_pipeline, bad_options_are_usage_errors) {
     o.per_shard.chunk_elements = 0;
     EXPECT_THROW(multi_t(o, {transform_stage()}), usage_error) << "no chunk size";
     o.per_shard.chunk_elements = 1024;
+    o.per_shard.memory.group_bytes = 0; // one chunk per flight
     o.per_shard.depth = 0;
     EXPECT_THROW(multi_t(o, {transform_stage()}), usage_error) << "depth 0";
     o.per_shard.depth = 2;
@@ -508,6 +510,7 @@ TEST_F(two_gpus, a_pipeline_on_device_1_runs_its_stages_there_while_the_thread_i
         auto calls = std::make_shared<std::vector<group_call>>();
         int degraded = 0;
         cudawait::pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.streams.device = 1;
         o.chunk_elements = chunk;
         o.depth = 2;

@@ -328,9 +328,10 @@ struct failing_group_stage {
     }
 };
 
-// A group that keeps failing goes to the fallback: each of its chunks once, the others come
-// from the GPU; the records name the group; pipeline_error without a fallback lists chunks.
-TEST_F(pipeline_gpu, a_failing_group_hands_each_of_its_chunks_to_the_fallback_once) {
+// A group that keeps failing is retried (the records name the group), then retried once chunk by
+// chunk: only the chunk that fails alone goes to the fallback (its record names it), the others
+// come from the GPU; pipeline_error without a fallback lists that chunk.
+TEST_F(pipeline_gpu, a_failing_group_is_retried_chunk_by_chunk_and_only_its_failing_chunk_is_lost) {
     const std::size_t chunk = 4096; // 4 chunks per 64 KiB group
     const std::size_t n = chunk * 18 + 99;
     auto in = random_words(n, 91);
@@ -364,35 +365,39 @@ TEST_F(pipeline_gpu, a_failing_group_hands_each_of_its_chunks_to_the_fallback_on
         if (with_fallback) {
             cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
             EXPECT_EQ(first_mismatch(outputs(), want), n);
-            EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{8, 9, 10, 11}));
+            EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{9}));
         } else {
             try {
                 cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
                 ADD_FAILURE() << "no pipeline_error";
             } catch (const pipeline_error& e) {
-                EXPECT_EQ(e.failed(), (std::vector<std::size_t>{8, 9, 10, 11}));
-                EXPECT_EQ(e.completed().size(), 15u);
+                EXPECT_EQ(e.failed(), (std::vector<std::size_t>{9}));
+                EXPECT_EQ(e.completed().size(), 18u);
             }
             const std::vector<u32> out = outputs();
             for (std::size_t i = 0; i < n; ++i) {
-                const bool failed_chunk = i / chunk >= 8 && i / chunk < 12;
-                if (!failed_chunk) {
+                if (i / chunk != 9) {
                     ASSERT_EQ(out[i], want[i]) << "element " << i;
                 }
             }
         }
-        EXPECT_EQ(*failures, 3) << "first try and max_retries retries";
+        EXPECT_EQ(*failures, 4) << "the group's first try, max_retries retries, chunk 9 alone";
         const auto st = p.stats();
-        EXPECT_EQ(st.gpu_chunks, 15u);
-        EXPECT_EQ(with_fallback ? st.fallback_chunks : st.failed_chunks, 4u);
-        EXPECT_EQ(st.retries, 2u);
-        ASSERT_EQ(records.size(), 3u);
-        for (const auto& r : records) {
-            EXPECT_EQ(r.chunk, 8u);
-            EXPECT_EQ(r.chunks, 4u);
-            EXPECT_EQ(r.elements, 4 * chunk);
-            EXPECT_EQ(r.offset, 8 * chunk);
+        EXPECT_EQ(st.gpu_chunks, 18u);
+        EXPECT_EQ(with_fallback ? st.fallback_chunks : st.failed_chunks, 1u);
+        EXPECT_EQ(st.retries, 3u) << "max_retries, and the retry chunk by chunk";
+        ASSERT_EQ(records.size(), 4u);
+        for (std::size_t i = 0; i < 3; ++i) {
+            EXPECT_EQ(records[i].chunk, 8u);
+            EXPECT_EQ(records[i].chunks, 4u);
+            EXPECT_EQ(records[i].elements, 4 * chunk);
+            EXPECT_EQ(records[i].offset, 8 * chunk);
+            EXPECT_EQ(records[i].level, cudawait::degrade_level::retry);
         }
+        EXPECT_EQ(records.back().chunk, 9u);
+        EXPECT_EQ(records.back().chunks, 1u);
+        EXPECT_EQ(records.back().elements, chunk);
+        EXPECT_EQ(records.back().offset, 9 * chunk);
         EXPECT_EQ(records.back().level, cudawait::degrade_level::give_up);
     }
 }
@@ -503,7 +508,8 @@ TEST_F(pipeline_gpu, grouped_pinned_and_per_chunk_staged_batches_alternate_on_on
 
 // In a grouped pipeline a staged batch retries, records and hands to the fallback single
 // chunks: a launch failing for chunk 9 sends chunk 9 alone to the fallback, and the records
-// name one chunk; a pinned batch through the same pipeline then gives up the whole group.
+// name one chunk; a pinned batch through the same pipeline retries the group, then its chunks
+// one by one, and also sends chunk 9 alone to the fallback.
 TEST_F(pipeline_gpu, a_staged_batch_in_a_grouped_pipeline_fails_single_chunks) {
     const std::size_t chunk = 4096; // 4 chunks per 64 KiB group
     const std::size_t n = chunk * 18 + 99;
@@ -549,12 +555,15 @@ TEST_F(pipeline_gpu, a_staged_batch_in_a_grouped_pipeline_fails_single_chunks) {
     std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
     cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
     EXPECT_EQ(first_mismatch(std::vector<u32>(pout.begin(), pout.end()), want), n);
-    EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{8, 9, 10, 11}));
-    ASSERT_FALSE(records.empty());
-    EXPECT_EQ(records.back().chunks, 4u);
+    EXPECT_EQ(fallback_calls, (std::vector<std::size_t>{9}));
+    ASSERT_EQ(records.size(), 3u)
+        << "the group's retry, the retry chunk by chunk, chunk 9's give-up";
+    EXPECT_EQ(records.front().chunks, 4u);
+    EXPECT_EQ(records.back().chunk, 9u);
+    EXPECT_EQ(records.back().chunks, 1u);
     st = p.stats();
-    EXPECT_EQ(st.gpu_chunks, 15u);
-    EXPECT_EQ(st.fallback_chunks, 4u);
+    EXPECT_EQ(st.gpu_chunks, 18u);
+    EXPECT_EQ(st.fallback_chunks, 1u);
 }
 
 } // namespace
@@ -1401,6 +1410,52 @@ TEST_F(pipeline_gpu, bad_views_are_usage_errors_and_the_slot_stays_usable) {
     }());
     EXPECT_EQ(out[item], 0xdeadbeefu) << "nothing written past the view";
     EXPECT_EQ(p.stats().gpu_chunks, 1u);
+}
+
+// Default options (memory.group_bytes unset): the pipeline groups 64 KiB chunks by
+// default_group_bytes, replays the groups as graphs when the stage is replayable() (the stage is
+// then called only to capture a slot group's graph, and for the short last group), calls it for
+// every chunk otherwise, and every element comes back right in both, run after run.
+TEST_F(pipeline_gpu, default_options_group_small_chunks_and_replay_a_replayable_stage) {
+    const std::size_t chunk = 64_KiB / sizeof(u32);
+    const std::size_t group = pipeline_options::default_group_bytes / 64_KiB; // 64 chunks
+    const std::size_t chunks = 4 * group + 45;                                // a short last group
+    const std::size_t n = chunks * chunk - 123;
+    const auto in = random_words(n, 4242);
+    const auto want = expected(in, chunk);
+    for (bool replay : {false, true}) {
+        SCOPED_TRACE(replay ? "replayable" : "not replayable");
+        pipeline_options o;
+        o.chunk_elements = chunk;
+        auto calls = std::make_shared<std::size_t>(0);
+        auto stage = [calls](std::span<u32> a, std::span<u32> b, cudawait::stream_ref s) {
+            ++*calls;
+            cudawait::check(
+                cudawait::testing::launch_transform(a.data(), b.data(), a.size(), salt, 0, s.get()),
+                "launch_transform");
+        };
+        pipe_t p(o, {replay ? pipe_t::stage(cudawait::replayable(stage)) : pipe_t::stage(stage)});
+        EXPECT_EQ(p.options().memory.group_bytes, pipeline_options::default_group_bytes);
+        EXPECT_EQ(p.options().graph, replay);
+        cudawait::scheduler sched;
+        constexpr int kRuns = 3;
+        for (int run = 0; run < kRuns; ++run) {
+            SCOPED_TRACE("run " + std::to_string(run));
+            pinned_buffer<u32> pin(n);
+            pinned_buffer<u32> pout(n);
+            copy_into(pin, in);
+            std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
+            cudawait::sync_wait(sched, p.run(pin.span(), pout.span()));
+            ASSERT_EQ(first_mismatch(std::vector<u32>(pout.begin(), pout.end()), want), n);
+            EXPECT_EQ(p.stats().gpu_chunks, chunks);
+        }
+        if (replay) {
+            // Each slot group's graph captured once (depth 2), the short last group run plainly.
+            EXPECT_LE(*calls, 2 * group + kRuns * 45);
+        } else {
+            EXPECT_EQ(*calls, kRuns * chunks);
+        }
+    }
 }
 
 } // namespace

@@ -26,6 +26,7 @@ TEST_F(pipeline_gpu, streaming_hands_a_failed_chunk_to_the_fallback_in_order) {
     }
     for (bool with_fallback : {true, false}) {
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
         o.chunk_elements = chunk;
         o.depth = 3;
         o.recovery.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
@@ -66,6 +67,7 @@ TEST_F(pipeline_gpu, a_launch_error_is_retried_with_less_concurrency) {
     auto in = random_words(n, 5);
     std::vector<cudawait::chunk_failure> log;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.on_degrade = [&](const cudawait::chunk_failure& f) { log.push_back(f); };
@@ -120,6 +122,7 @@ TEST_F(pipeline_gpu, a_chunk_that_keeps_failing_goes_to_the_fallback_exactly_onc
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{5, 6, 7});
     std::vector<std::size_t> fallback_calls;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.max_retries = 2;
@@ -146,6 +149,7 @@ TEST_F(pipeline_gpu, without_a_fallback_the_error_says_which_chunks_completed) {
     auto in = random_words(n, 8);
     auto fails = std::make_shared<std::vector<int>>(std::vector<int>{2, 3, 4});
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.recovery.max_retries = 2;
     o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
@@ -177,6 +181,7 @@ TEST_F(pipeline_gpu, a_timeout_lowers_concurrency_and_the_gpu_still_delivers) {
     auto calls = std::make_shared<int>(0);
     std::vector<cudawait::chunk_failure> log;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.chunk_timeout = 60ms;
@@ -220,6 +225,7 @@ TEST_F(pipeline_gpu, a_hung_chunk_is_reported_failed_and_the_rest_go_to_the_fall
     auto calls = std::make_shared<int>(0);
     std::vector<std::size_t> fallback_calls;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 2;
     o.recovery.chunk_timeout = 30ms;
@@ -292,6 +298,7 @@ TEST_F(pipeline_gpu, a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu) {
     std::vector<std::size_t> fallback_calls;
     std::vector<cudawait::chunk_failure> log;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 2;
     o.recovery.chunk_timeout = 10s;
@@ -329,6 +336,7 @@ TEST_F(pipeline_gpu, a_wait_that_cannot_be_set_up_leaves_the_chunk_to_the_gpu) {
     auto calls = std::make_shared<int>(0);
     std::vector<int> produced(8, 0);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
@@ -390,6 +398,7 @@ TEST_F(pipeline_gpu, a_failed_chunk_count_in_the_batch_error_matches_its_lists) 
     const std::size_t n = chunk * 11;
     auto in = random_words(n, 30);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.recovery.max_retries = 0; // each failed launch is final: chunks 1, 4, 5 and 9 fail
     o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
@@ -431,6 +440,7 @@ TEST_F(pipeline_gpu, a_failed_chunk_whose_fallback_throws_reaches_run_and_leaks_
     copy_into(in, data);
     std::fill(out.begin(), out.end(), 0xdeadbeefu);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.max_retries = 0;
@@ -492,6 +502,7 @@ TEST_F(pipeline_gpu, a_throwing_fallback_with_chunks_in_flight_leaks_no_event_in
     for (mode m : {mode{false, false}, mode{false, true}, mode{true, true}}) {
         SCOPED_TRACE(std::string(m.pinned ? "pinned" : "pageable") + (m.graph ? ", graph" : ""));
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
         o.chunk_elements = chunk;
         o.depth = 3;
         o.graph = m.graph;
@@ -563,6 +574,7 @@ TEST_F(pipeline_gpu,
         chunks.push_back(random_words(chunk - i, 200 + i));
     }
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.max_retries = 0; // no level-1 retry (it would succeed): chunk 2 goes to level 2
@@ -598,6 +610,7 @@ TEST_F(pipeline_gpu,
     auto in = random_words(n, 34);
     auto calls = std::make_shared<int>(0);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
@@ -911,7 +924,8 @@ TEST(pipeline_report, an_empty_report_is_json_with_every_section) {
           "\"options\":{\"depth\":2,\"chunk_elements\":0,\"output_elements\":0,\"graph\":false,"
           "\"streams\":{\"device\":0,\"compute_streams\":1,\"compute_priority\":null,"
           "\"transfer_priority\":null,\"stage_streams\":false},"
-          "\"memory\":{\"scratch_bytes\":0,\"group_bytes\":0,\"queue_capacity\":0,\"pool\":null},"
+          "\"memory\":{\"scratch_bytes\":0,\"group_bytes\":null,\"queue_capacity\":0,\"pool\":null}"
+          ","
           "\"monitoring\":{\"timing\":false,\"alert_fraction\":0.59999999999999998,"
           "\"utilisation_fraction\":0.80000000000000004,\"alert_window\":8,\"on_alert\":false,"
           "\"timeline\":false},"
@@ -928,6 +942,7 @@ TEST(pipeline_report, an_empty_report_is_json_with_every_section) {
 
 TEST(pipeline_report, a_failure_is_written_with_every_field) {
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.depth = 3;
     o.chunk_elements = 1000;
     o.streams.compute_priority = -2;
@@ -980,6 +995,7 @@ TEST(pipeline_report, a_failure_is_written_with_every_field) {
 
 TEST(pipeline_report, a_file_gets_the_same_report_and_a_bad_path_throws) {
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = 7;
     std::vector<cudawait::chunk_failure> fs(1);
     std::ostringstream os;
@@ -1013,6 +1029,7 @@ TEST_F(pipeline_gpu, a_batch_that_gives_a_chunk_to_the_fallback_writes_the_repor
     const std::size_t n = chunk * 8;
     auto in = random_words(n, 31);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.max_retries = 0; // the first failure goes to the fallback (level 2)
@@ -1069,6 +1086,7 @@ TEST_F(pipeline_gpu, a_batch_without_a_fallback_writes_the_report_before_throwin
     const std::size_t n = chunk * 5;
     auto in = random_words(n, 32);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.recovery.max_retries = 1;
     o.recovery.report_path = fresh_path("batch_error");
@@ -1096,6 +1114,7 @@ TEST_F(pipeline_gpu, latency_percentiles_after_a_clean_batch_and_a_stream) {
     const std::size_t n = chunk * 16 + 123;
     auto in = random_words(n, 33);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.report_path = fresh_path("clean");
@@ -1136,6 +1155,7 @@ TEST_F(pipeline_gpu, a_streamed_chunk_given_up_writes_the_report) {
     }
     for (bool with_fallback : {true, false}) {
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
         o.chunk_elements = chunk;
         o.depth = 3;
         o.recovery.report_path = fresh_path(with_fallback ? "stream_fallback" : "stream_failed");
@@ -1187,6 +1207,7 @@ TEST_F(pipeline_gpu, the_slots_device_buffers_come_from_the_device_resource_once
         cudawait::testing::device_resource_counts counts;
         cudawait::testing::counting_device_resource counting(counts);
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight: per-chunk records
         o.chunk_elements = chunk;
         o.depth = 3;
         o.memory.scratch_bytes = c.scratch_bytes;

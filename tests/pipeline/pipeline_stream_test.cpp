@@ -65,6 +65,7 @@ TEST_F(pipeline_gpu, streaming_delivers_in_order_with_back_pressure) {
     }
     for (bool graph : {false, true}) {
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.graph = graph;
@@ -204,6 +205,7 @@ pipe_t::stage flag_stage(const u32* flag, int stuck_call, std::shared_ptr<int> c
 
 TEST_F(pipeline_gpu, a_timeout_is_a_usage_error_when_negative_and_a_poll_when_zero) {
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = 1000;
     o.depth = 2;
     pipe_t p(o, {transform_stage()});
@@ -236,6 +238,7 @@ TEST_F(pipeline_gpu, next_with_a_timeout_fails_on_time_and_the_chunk_stays_in_li
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     std::vector<cudawait::chunk_failure> log;
@@ -311,6 +314,7 @@ TEST_F(pipeline_gpu, acquire_with_a_timeout_fails_on_time_while_slots_and_queue_
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     o.memory.queue_capacity = 2;
@@ -360,6 +364,7 @@ TEST_F(pipeline_gpu, a_chunk_that_next_waits_for_keeps_its_place_in_the_queue) {
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     o.memory.queue_capacity = 1;
@@ -413,6 +418,7 @@ TEST_F(pipeline_gpu, slots_of_given_up_chunks_serve_the_producer_again) {
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     o.memory.queue_capacity = 2;
@@ -471,6 +477,7 @@ TEST_F(pipeline_gpu, slots_of_given_up_chunks_serve_the_producer_again) {
 TEST_F(pipeline_gpu, giving_slots_back_allocates_nothing) {
     const std::size_t chunk = 1000;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     pipe_t p(o, {transform_stage()}, host_fallback);
@@ -513,6 +520,7 @@ TEST_F(pipeline_gpu, giving_back_a_slot_group_given_up_allocates_nothing) {
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     o.memory.group_bytes = 2 * chunk * sizeof(u32); // two chunks per slot group
@@ -572,6 +580,7 @@ TEST_F(pipeline_gpu, streaming_retries_a_launch_error_with_less_depth_and_the_gp
         chunks.push_back(random_words(chunk - i, 300 + i));
     }
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.recover_after = 0; // the depth stays lowered
@@ -611,6 +620,7 @@ TEST_F(pipeline_gpu, streaming_waits_again_for_a_slow_chunk_with_less_depth) {
     }
     auto calls = std::make_shared<int>(0);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.chunk_timeout = 60ms;
@@ -657,6 +667,7 @@ TEST_F(pipeline_gpu, streaming_keeps_a_chunk_waited_for_again_when_on_degrade_th
     std::size_t thrown = 0;
     auto calls = std::make_shared<int>(0);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     o.recovery.chunk_timeout = 40ms;
@@ -741,6 +752,7 @@ TEST_F(pipeline_gpu, streaming_gives_up_a_hung_chunk_and_the_ones_behind_it_in_o
     cudawait::mapped_buffer<u32> release_flag(1);
     release_flag[0] = 0;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.chunk_timeout = 30ms;
@@ -802,6 +814,7 @@ TEST_F(pipeline_gpu, streaming_delivers_the_gpu_output_when_a_wait_cannot_be_set
     std::vector<std::size_t> fallback_calls;
     std::vector<cudawait::chunk_failure> log;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.recovery.chunk_timeout = 10s;
@@ -852,6 +865,7 @@ TEST_F(pipeline_gpu, depth_recovers_after_clean_chunks_in_a_batch_and_in_streami
     for (int mode = 0; mode < 3; ++mode) { // batch pageable, batch pinned, streaming
         SCOPED_TRACE(mode == 0 ? "batch, pageable" : mode == 1 ? "batch, pinned" : "streaming");
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.recovery.recover_after = 4;

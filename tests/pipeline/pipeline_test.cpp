@@ -16,6 +16,7 @@ using namespace cudawait::testing::pipeline_checks;
 
 TEST(pipeline, bad_options_are_usage_errors) {
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     EXPECT_THROW(pipe_t(o, {transform_stage()}), usage_error) << "no chunk size";
     o.chunk_elements = 1024;
     o.depth = 0;
@@ -41,6 +42,7 @@ std::string usage_error_of(F&& f) {
 // fraction and an alert window of 0 were accepted before.)
 TEST(pipeline_options, validate_names_the_field_of_each_rule) {
     pipeline_options good;
+    good.memory.group_bytes = 0; // one chunk per flight
     good.chunk_elements = 1024;
     EXPECT_NO_THROW(good.validate());
     // A designated initialiser may leave out any field and group (with -Wextra too).
@@ -105,6 +107,7 @@ TEST(pipeline, several_stages_need_one_element_type) {
     // Chained stages read each other's outputs: with In != Out only one stage is allowed.
     using mixed = pipeline<u32, float>;
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = 1024;
     mixed::stage stage = [](std::span<u32>, std::span<float>, cudawait::stream_ref) {};
     try {
@@ -169,6 +172,7 @@ TEST(pipeline, a_default_chunk_error_is_no_failure) {
 TEST(pipeline, without_a_device_construction_is_a_cuda_error) {
     auto child = [] {
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = 1024;
         try {
             pipe_t p(o, {transform_stage()});
@@ -208,6 +212,7 @@ TEST_P(pipeline_batch, every_element_is_right) {
     auto in = random_words(n, c.depth * 100 + c.compute_streams);
     auto want = expected(in, chunk);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.depth = c.depth;
     o.chunk_elements = chunk;
     o.streams.compute_streams = c.compute_streams;
@@ -258,6 +263,7 @@ TEST_F(pipeline_gpu, graph_mode_gives_the_same_bytes_as_plain_mode) {
     std::vector<u32> plain(n, 1);
     std::vector<u32> graphed(n, 2);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     cudawait::scheduler sched;
@@ -279,6 +285,7 @@ TEST_F(pipeline_gpu, output_size_can_differ_from_input_size) {
     const std::size_t n = chunk * 5 + 100; // six chunks, one output each
     auto in = random_words(n, 3);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.output_elements = 1;
     pipe_t p(o, {[](std::span<u32> in_, std::span<u32> out, cudawait::stream_ref s) {
@@ -310,6 +317,7 @@ TEST_F(pipeline_gpu, staging_holds_at_most_depth_plus_two_times_input_plus_outpu
     auto in = random_words(n, 11);
     std::vector<u32> out(n);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.memory.pool = &pool;
@@ -332,6 +340,7 @@ TEST_F(pipeline_gpu, timing_reports_stage_times_bandwidth_and_alerts) {
     for (double fraction : {0.01, 1.5}) {
         std::size_t alerts = 0;
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.monitoring.timing = true;
@@ -421,6 +430,7 @@ TEST_F(pipeline_gpu, after_a_drained_stream_batches_and_new_streams_may_follow) 
     for (bool graph : {false, true}) {
         SCOPED_TRACE(graph ? "graph" : "plain");
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.graph = graph;
@@ -468,6 +478,7 @@ TEST_F(pipeline_gpu, chained_stages_each_read_the_previous_stage_output) {
         for (bool graph : {false, true}) {
             SCOPED_TRACE(std::to_string(stages) + " stages" + (graph ? ", graph" : ""));
             pipeline_options o;
+            o.memory.group_bytes = 0; // one chunk per flight
             o.chunk_elements = chunk;
             o.depth = 3;
             o.streams.compute_streams = 2;
@@ -503,6 +514,7 @@ TEST_F(pipeline_gpu, chained_stages_read_outputs_shorter_than_the_input) {
     for (bool graph : {false, true}) {
         SCOPED_TRACE(graph ? "graph" : "plain");
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.output_elements = 1;
         o.graph = graph;
@@ -598,6 +610,7 @@ TEST_F(pipeline_gpu, nvtx_ranges_stay_nested_with_two_pipelines_on_one_scheduler
                             "launch_transform");
         };
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.graph = graph;
         o.depth = 2;
@@ -658,6 +671,7 @@ TEST_F(pipeline_gpu, streams_carry_the_default_and_the_configured_priorities) {
     for (bool configured : {false, true}) {
         SCOPED_TRACE(configured ? "configured: compute lowest, copies highest" : "defaults");
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.streams.compute_streams = 2;
         int compute = greatest; // default: compute highest, copies lowest
@@ -712,6 +726,7 @@ TEST_F(pipeline_gpu, a_queue_capacity_below_the_depth_bounds_submissions) {
         chunks.push_back(random_words(chunk - i, 800 + i));
     }
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.memory.queue_capacity = 1; // one chunk submitted and not yet taken, though three slots exist
@@ -774,6 +789,7 @@ TEST_F(pipeline_gpu, suggested_chunk_size_grows_for_a_light_kernel_and_shrinks_f
         copy_into(in, data);
         std::fill(out.begin(), out.end(), 0xdeadbeefu);
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.monitoring.timing = true;
@@ -884,12 +900,14 @@ TEST(pipeline_stage, an_empty_callable_makes_an_empty_stage) {
         pipe_t::stage(std::function<void(std::span<u32>, std::span<u32>, const stage_context&)>{}));
     // The pipeline refuses them before any CUDA call.
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = 1024;
     EXPECT_THROW(pipe_t(o, {pipe_t::stage(old_stage_fn{nullptr})}), usage_error);
 }
 
 TEST(pipeline_stage, stage_streams_need_one_compute_stream) {
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = 1024;
     o.streams.stage_streams = true;
     o.streams.compute_streams = 2;
@@ -981,6 +999,7 @@ TEST_F(pipeline_gpu, stages_share_the_slot_scratch_which_is_stable_aligned_and_d
             SCOPED_TRACE(std::string(graph ? "graph" : "plain") +
                          (own_streams ? ", stage streams" : ""));
             pipeline_options o;
+            o.memory.group_bytes = 0; // one chunk per flight
             o.chunk_elements = chunk;
             o.depth = depth;
             o.graph = graph;
@@ -1097,6 +1116,7 @@ TEST_F(pipeline_gpu, stage_context_tells_stage_slot_device_and_chunk) {
     for (bool own_streams : {false, true}) {
         SCOPED_TRACE(own_streams ? "stage streams" : "compute streams");
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.streams.compute_streams = own_streams ? 1 : 2;
@@ -1130,6 +1150,7 @@ TEST_F(pipeline_gpu, in_graph_mode_the_stages_are_called_once_per_slot_on_the_ca
     copy_into(pin, data);
     std::fill(pout.begin(), pout.end(), 0xdeadbeefu);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.graph = true;
@@ -1179,6 +1200,7 @@ TEST_F(pipeline_gpu, stage_streams_overlap_the_stages_of_successive_chunks) {
     for (bool own_streams : {true, false}) {
         SCOPED_TRACE(own_streams ? "stage streams" : "one compute stream");
         pipeline_options o;
+        o.memory.group_bytes = 0; // one chunk per flight
         o.chunk_elements = chunk;
         o.depth = 3;
         o.streams.stage_streams = own_streams;
@@ -1231,6 +1253,7 @@ TEST_F(pipeline_gpu, pageable_batches_of_any_chunk_size_and_depth_are_exact) {
                 auto in = random_words(n, chunk + depth);
                 const auto want = expected(in, chunk);
                 pipeline_options o;
+                o.memory.group_bytes = 0; // one chunk per flight
                 o.chunk_elements = chunk;
                 o.depth = depth;
                 pipe_t p(o, {transform_stage()});
@@ -1277,6 +1300,7 @@ TEST_F(pipeline_gpu, concurrent_stage_in_and_stage_out_keep_every_chunk_in_place
             std::vector<u32> out_a(n, 0xdeadbeefu);
             std::vector<u32> out_b(n, 0xdeadbeefu);
             pipeline_options o;
+            o.memory.group_bytes = 0; // one chunk per flight
             o.chunk_elements = chunk;
             o.depth = depth;
             pipe_t a(o, {transform_stage(spin)});
@@ -1299,6 +1323,7 @@ TEST_F(pipeline_gpu, the_staging_rings_are_made_once_and_bounded_by_depth_plus_t
     auto in = random_words(n, 21);
     std::vector<u32> out(n);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 2;
     o.memory.pool = &pool;
@@ -1328,6 +1353,7 @@ TEST_F(pipeline_gpu, registered_vectors_run_without_staging) {
     cudawait::host_registration reg_in(in);
     cudawait::host_registration reg_out(out);
     pipeline_options o;
+    o.memory.group_bytes = 0; // one chunk per flight
     o.chunk_elements = chunk;
     o.depth = 3;
     o.memory.pool = &pool;

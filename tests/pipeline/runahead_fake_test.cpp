@@ -96,10 +96,13 @@ struct counting_stage {
     }
 };
 
+/// Options of one chunk per flight (no chunk groups, which small chunks get by default): how
+/// far ahead is counted in chunks.
 cudawait::pipeline_options options(unsigned depth) {
     cudawait::pipeline_options o;
     o.chunk_elements = kChunk;
     o.depth = depth;
+    o.memory.group_bytes = 0;
     o.recovery.on_degrade = [](const cudawait::chunk_failure&) {};
     return o;
 }

@@ -209,9 +209,11 @@ struct pipeline_options {
         /// Chunk groups: runs of G consecutive chunks, G = group_bytes / (chunk_elements x
         /// sizeof(In)) (at most max_group_chunks), move through the pipeline as one unit (one
         /// copy each way, one set of events and one wait per group); each slot then holds G
-        /// chunks. Chunks of group_bytes or more are not grouped; 0: no grouping. For chunks of
-        /// a few hundred KiB or less, default_group_bytes is a good value (pipeline.hpp).
-        std::size_t group_bytes = 0;
+        /// chunks. Chunks of group_bytes or more are not grouped; 0: no grouping. Unset: the
+        /// pipeline chooses, default_group_bytes where a chunk is under half of it, else 0
+        /// (and graph replay where every stage is replayable()); pipeline::options() shows the
+        /// choice.
+        std::optional<std::size_t> group_bytes{};
         /// Streaming: chunks submitted and not yet taken by next() (a producer waits in
         /// acquire() while the queue is full); 0 means (2 copy streams + compute streams) x 2.
         /// With chunk groups it counts groups.
@@ -275,7 +277,9 @@ struct pipeline_options {
     /// has ceil(k * output_elements / chunk_elements) outputs.
     std::size_t output_elements = 0;
     /// Replay each slot's work as a CUDA graph (full chunks; a short last chunk runs plainly).
-    /// With chunk groups, full groups replay; a short last group runs plainly.
+    /// With chunk groups, full groups replay; a short last group runs plainly. With
+    /// memory.group_bytes unset the pipeline turns it on for small chunks whose stages are all
+    /// replayable() (stage.hpp).
     bool graph = false;
     // Each with an initialiser, so that a designated initialiser may leave any of them out.
     stream_options streams{};
@@ -283,7 +287,8 @@ struct pipeline_options {
     monitoring_options monitoring{};
     recovery_options recovery{};
 
-    /// A group size that makes 64 KiB .. 1 MiB chunks move at close to the link's rate.
+    /// A group size that makes 64 KiB .. 1 MiB chunks move at close to the link's rate; what
+    /// an unset memory.group_bytes chooses for chunks under half of it.
     static constexpr std::size_t default_group_bytes = std::size_t{4} << 20;
     /// The most chunks in one group.
     static constexpr std::size_t max_group_chunks = 256;

@@ -43,8 +43,8 @@ std::string hex_pointer(const void* p) {
     return buf;
 }
 
-template <class W>
-void write_optional(W& w, std::string_view name, const std::optional<int>& v) {
+template <class W, class T>
+void write_optional(W& w, std::string_view name, const std::optional<T>& v) {
     w.key(name);
     if (v) {
         w.value(*v);
@@ -71,12 +71,9 @@ void write_options(W& w, const pipeline_options& o) {
     write_optional(w, "compute_priority", st.compute_priority);
     write_optional(w, "transfer_priority", st.transfer_priority);
     w.field("stage_streams", st.stage_streams).end_object();
-    w.key("memory")
-        .begin_object()
-        .field("scratch_bytes", mem.scratch_bytes)
-        .field("group_bytes", mem.group_bytes)
-        .field("queue_capacity", mem.queue_capacity)
-        .key("pool");
+    w.key("memory").begin_object().field("scratch_bytes", mem.scratch_bytes);
+    write_optional(w, "group_bytes", mem.group_bytes);
+    w.field("queue_capacity", mem.queue_capacity).key("pool");
     if (mem.pool != nullptr) {
         w.value(hex_pointer(mem.pool));
     } else {

@@ -8,6 +8,8 @@
 //   pipeline_stage<In, Out> st = [](std::span<In> in, std::span<Out> out,
 //                                   const group_context& g) { one launch for g.chunks chunks };
 //   st(in, out, ctx);  st.run_group(in, out, g);   a per-chunk stage runs once per chunk
+//   pipeline_stage<In, Out> st = replayable(f);   f launches the same work for every chunk of
+//                                  a slot: small chunks' groups may replay it as a CUDA graph
 //
 // pipeline<In, Out>::stage is this type; a stage is stored once, as the context form, so calling
 // it allocates nothing. A callable that accepts the stream form is taken as that form. See
@@ -85,7 +87,32 @@ private:
 template <class In, class Out>
 class pipeline_stage;
 
+/// A stage callable marked replayable (replayable()): calls it as it is called.
+template <class F>
+struct replayable_stage {
+    F fn;
+    template <class... Args>
+    requires std::invocable<F&, Args...>
+    void operator()(Args&&... args) { fn(std::forward<Args>(args)...); }
+};
+
+/// Marks a stage callable as replayable: what it launches for a chunk depends only on the
+/// spans, stream and scratch it is given (not on `ctx.chunk`, nor on host state that changes
+/// between chunks), so a graph captured from one call may stand in for later calls on the same
+/// slot. A pipeline whose memory.group_bytes is unset then replays each slot group's work as a
+/// CUDA graph when its chunks are small (docs/pipeline.md#chunk-groups); an explicit setting
+/// decides on its own.
+template <class F>
+[[nodiscard]] replayable_stage<std::decay_t<F>> replayable(F&& f) {
+    return {std::forward<F>(f)};
+}
+
 namespace detail {
+template <class F>
+struct is_replayable : std::false_type {};
+template <class F>
+struct is_replayable<replayable_stage<F>> : std::true_type {};
+
 template <class F>
 struct is_std_function : std::false_type {};
 template <class Sig>
@@ -128,15 +155,13 @@ public:
     template <detail::stage_callable<In, Out> F>
     pipeline_stage(F&& f) { // NOLINT(google-explicit-constructor): stages are given as lambdas
         using fn = std::decay_t<F>;
-        if constexpr (std::is_pointer_v<fn>) {
-            fn p = f;
-            if (p == nullptr) {
+        if constexpr (detail::is_replayable<fn>::value) {
+            if (!is_set(f.fn)) {
                 return;
             }
-        } else if constexpr (detail::is_std_function<fn>::value) {
-            if (!f) {
-                return;
-            }
+            m_replayable = true;
+        } else if (!is_set(f)) {
+            return;
         }
         if constexpr (detail::stream_stage<fn, In, Out>) {
             // Called as an lvalue, as std::function calls its target: mutable lambdas work.
@@ -158,6 +183,9 @@ public:
 
     /// True for a group stage (one call per chunk group).
     [[nodiscard]] bool takes_group() const noexcept { return static_cast<bool>(m_group); }
+
+    /// True for a stage made from replayable(f).
+    [[nodiscard]] bool is_replayable() const noexcept { return m_replayable; }
 
     /// Launches the chunk's work (a group stage: as a group of this one chunk).
     /// @throws what the callable throws; std::bad_function_call for an empty stage
@@ -187,8 +215,21 @@ public:
     }
 
 private:
+    // False for a null function pointer or an empty std::function (an empty stage).
+    template <class G>
+    static bool is_set(const G& g) noexcept {
+        if constexpr (std::is_pointer_v<G>) {
+            return g != nullptr;
+        } else if constexpr (detail::is_std_function<G>::value) {
+            return static_cast<bool>(g);
+        } else {
+            return true;
+        }
+    }
+
     std::function<void(std::span<In>, std::span<Out>, const stage_context&)> m_fn;
     std::function<void(std::span<In>, std::span<Out>, const group_context&)> m_group;
+    bool m_replayable = false;
 };
 
 } // namespace cudawait

@@ -129,6 +129,7 @@ private:
         std::vector<bool> busy;    // slots with a chunk in flight (staging)
         std::size_t next_slot = 0; // round robin (run-ahead)
         std::vector<std::chrono::steady_clock::time_point> taken{}; // first tried (latency)
+        std::size_t single_until = 0; // chunks before it start one at a time (a group split)
         [[nodiscard]] bool runahead() const noexcept { return pinned_in && pinned_out; }
     };
 
@@ -173,8 +174,9 @@ private:
     }
 
     // Group `g` (from chunk `next`) could not start: a sticky error gives the GPU up, a retry
-    // left returns true (run() drains and retries with one slot fewer), else the group's chunks
-    // go to the fallback and `next` moves past them.
+    // left returns true (run() drains and retries with one slot fewer), a group of several
+    // chunks past its retries is retried once chunk by chunk, else the chunk goes to the
+    // fallback and `next` moves past it.
     bool start_failed(batch& b, const chunk_group& g, const flight& f, const chunk_error& error,
                       std::size_t& next) {
         core& k = m_core;
@@ -184,6 +186,16 @@ private:
             return false;
         }
         if (++b.attempts[next] <= k.options.recovery.max_retries) {
+            ++k.monitor.counters().retries;
+            return true;
+        }
+        if (g.chunks > 1) {
+            // The group's retries are spent: one more retry, its chunks one at a time, so that
+            // only a chunk that fails alone is given up (and reported as itself).
+            b.single_until = g.first + g.chunks;
+            for (std::size_t c = g.first; c < b.single_until; ++c) {
+                b.attempts[c] = k.options.recovery.max_retries;
+            }
             ++k.monitor.counters().retries;
             return true;
         }
@@ -220,11 +232,13 @@ private:
     }
 
     // The group that starts at chunk `first`: one chunk where the batch stages (its rings and
-    // workers move chunks; the slots' device buffers then use their first chunk only).
+    // workers move chunks; the slots' device buffers then use their first chunk only) and
+    // within a group that was split.
     [[nodiscard]] chunk_group plan(const batch& b, std::size_t first) const {
         const pipeline_options& o = m_core.options;
-        return plan_group(first, b.runahead() ? m_core.group_chunks : 1, b.in.size(),
-                          o.chunk_elements, o.output_elements);
+        const bool whole = b.runahead() && first >= b.single_until;
+        return plan_group(first, whole ? m_core.group_chunks : 1, b.in.size(), o.chunk_elements,
+                          o.output_elements);
     }
 
     [[nodiscard]] std::span<const In> chunk_in(const batch& b, std::size_t c) const {

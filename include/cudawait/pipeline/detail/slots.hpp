@@ -261,9 +261,9 @@ struct pipeline_core {
     /// @throws usage_error for options that validate() refuses, no stages or an empty one, or
     ///         several stages with In != Out; cuda_error
     pipeline_core(pipeline_options o, std::vector<stage> s, fallback f)
-        : options(validated(std::move(o))), stages(checked(std::move(s))),
+        : options(chosen(validated(std::move(o)), s)), stages(checked(std::move(s))),
           on_gpu_failure(std::move(f)),
-          group_chunks(group_chunks_for(options.memory.group_bytes,
+          group_chunks(group_chunks_for(options.memory.group_bytes.value_or(0),
                                         options.chunk_elements * sizeof(In),
                                         pipeline_options::max_group_chunks)),
           pool(options.memory.pool != nullptr ? options.memory.pool
@@ -588,6 +588,24 @@ private:
         }
         if (o.memory.queue_capacity == 0) {
             o.memory.queue_capacity = (2 + std::size_t{o.streams.compute_streams}) * 2;
+        }
+        return o;
+    }
+    // An unset memory.group_bytes chosen: default_group_bytes where it groups at least two
+    // chunks, else 0; graph replay too where it groups and every stage is replayable.
+    static pipeline_options chosen(pipeline_options o, const std::vector<stage>& stages) {
+        if (o.memory.group_bytes) {
+            return o;
+        }
+        constexpr std::size_t group = pipeline_options::default_group_bytes;
+        const bool small = o.chunk_elements <= group / sizeof(In) &&
+                           group_chunks_for(group, o.chunk_elements * sizeof(In),
+                                            pipeline_options::max_group_chunks) > 1;
+        o.memory.group_bytes = small ? group : 0;
+        if (small && !stages.empty() &&
+            std::all_of(stages.begin(), stages.end(),
+                        [](const stage& st) { return st.is_replayable(); })) {
+            o.graph = true;
         }
         return o;
     }
