@@ -68,9 +68,13 @@
 //                                           chunks per group)
 //      Summary: per size, the best of these four (named) / the 64 MiB figure (the better of
 //      plain and graph at the specified depth): 1 MiB >= 0.95, 256 KiB >= 0.85, 64 KiB >= 0.5.
-//      And what default options give (pipeline_options{} with the chunk size: the table's plain
-//      runs at depth 2, the per-chunk stage) / the same 64 MiB figure: 1 MiB >= 0.97, 256 KiB
-//      >= 0.95, 64 KiB >= 0.85.
+//      The table's runs move one chunk per flight (group_bytes = 0). What default options give,
+//      in their own interleaved rounds (pipeline_options{} with the chunk size: depth 2, groups
+//      and graph mode chosen by the pipeline, the light per-chunk stage):
+//        BM_chunk/<size>/default             the stage as it is: groups, a launch per chunk
+//        BM_chunk/<size>/default_replayable  the stage marked replayable(): groups replayed as
+//                                            graphs
+//      each / the same 64 MiB figure: 1 MiB >= 0.97, 256 KiB >= 0.95, 64 KiB >= 0.85.
 //   4. Host memory, light kernel, 64 MiB chunks, depth 3, 4 GiB (one pipeline, runs alternating):
 //        BM_host_memory/pinned              the pinned input and output of 1
 //        BM_host_memory/pageable            std::vector input and output, pre-touched
@@ -104,9 +108,11 @@
 //      (one warm-up run per variant, 5 interleaved rounds): a producer coroutine acquires a slot,
 //      copies its item in (host memcpy) and submits it; a consumer coroutine takes the results
 //      with next() and copies each out; both run on one scheduler (when_all).
-//        BM_stream_small/depth<d>           depth d (16 and 64), queue_capacity 2 x d
+//        BM_stream_small/depth<d>           depth d (16 and 64), queue_capacity 2 x d, one item
+//                                           per flight (group_bytes = 0)
 //        BM_stream_small/default_options    pipeline_options{} with the item size only (depth 2,
-//                                           the default queue_capacity, no groups chosen)
+//                                           the default queue_capacity, the groups the pipeline
+//                                           chooses: 64 items per slot group)
 //        BM_stream_small/grouped_depth<d>   chunk groups (group_bytes = default_group_bytes:
 //                                           64 items per slot group), depth d (4 and 8) slot
 //                                           groups, queue_capacity 2 x d groups; the light
@@ -229,10 +235,11 @@ struct group_target {
     double target;
 };
 constexpr group_target kGroupTargets[] = {{64_KiB, 0.5}, {256_KiB, 0.85}, {1_MiB, 0.95}};
-/// 3, default options (pipeline_options{} with the chunk size: depth 2, no graph, no groups
-/// chosen by the caller) and the per-chunk stage (the table's plain/d2 runs) / the 64 MiB
-/// figure, at least, per chunk size.
+/// 3, default options (pipeline_options{} with the chunk size: depth 2, groups and graph mode as
+/// the pipeline chooses them) and the per-chunk light stage / the 64 MiB figure, at least, per
+/// chunk size; for the stage as it is ("default") and marked replayable ("default_replayable").
 constexpr group_target kDefaultTargets[] = {{64_KiB, 0.85}, {256_KiB, 0.95}, {1_MiB, 0.97}};
+constexpr const char* kDefaultVariants[] = {"default", "default_replayable"};
 constexpr const char* kGroupVariants[] = {"grouped", "grouped_graph", "group_stage",
                                           "group_stage_16MiB"};
 /// The group size of the group_stage_16MiB variant (64 KiB chunks: max_group_chunks).
@@ -357,6 +364,7 @@ std::unique_ptr<float_pipeline> make_pipeline(work w, unsigned depth, std::size_
     o.depth = depth;
     o.chunk_elements = chunk;
     o.graph = graph;
+    o.memory.group_bytes = 0; // one chunk per flight: section 3's table measures chunks alone
     o.monitoring.timing = timing;
     std::vector<float_pipeline::stage> stages;
     if (w == work::light) {
@@ -389,6 +397,20 @@ std::unique_ptr<float_pipeline> make_grouped_pipeline(std::size_t variant, unsig
     std::vector<float_pipeline::stage> stages;
     if (variant >= 2) {
         stages.emplace_back(light_group_stage{});
+    } else {
+        stages.emplace_back(light_stage{});
+    }
+    return std::make_unique<float_pipeline>(std::move(o), std::move(stages));
+}
+
+/// Default options with the chunk size (section 3's default variants): the light per-chunk
+/// stage, marked replayable or not; the pipeline chooses groups and graph mode.
+std::unique_ptr<float_pipeline> make_default_pipeline(bool replayable, std::size_t chunk) {
+    cudawait::pipeline_options o;
+    o.chunk_elements = chunk;
+    std::vector<float_pipeline::stage> stages;
+    if (replayable) {
+        stages.emplace_back(cudawait::replayable(light_stage{}));
     } else {
         stages.emplace_back(light_stage{});
     }
@@ -601,6 +623,14 @@ runs_by_variant measure_chunk_case(chunk_case c) {
         runs.merge(interleaved(kRounds, kGroupVariants, [&](std::size_t v) {
             return checked_library_run(work::light, sched, *grouped[v], w.in.data(), w.out.data(),
                                        n, "chunk/" + size_name(c.bytes) + "/" + kGroupVariants[v]);
+        }));
+        // Default options (depth 2, groups and graph mode chosen by the pipeline).
+        const std::unique_ptr<float_pipeline> defaults[] = {make_default_pipeline(false, chunk),
+                                                            make_default_pipeline(true, chunk)};
+        runs.merge(interleaved(kRounds, kDefaultVariants, [&](std::size_t v) {
+            return checked_library_run(work::light, sched, *defaults[v], w.in.data(), w.out.data(),
+                                       n,
+                                       "chunk/" + size_name(c.bytes) + "/" + kDefaultVariants[v]);
         }));
     }
     return runs;
@@ -913,6 +943,7 @@ runs_by_variant measure_stream_small() {
         cudawait::pipeline_options o;
         o.depth = d;
         o.chunk_elements = item;
+        o.memory.group_bytes = 0; // one item per flight
         o.memory.queue_capacity = 2 * std::size_t{d};
         std::vector<float_pipeline::stage> stages;
         stages.emplace_back(light_stage{});
@@ -1045,6 +1076,10 @@ void register_benchmarks() {
         }
         if (c.bytes <= kTargetChunkBytes) {
             for (const char* v : kGroupVariants) {
+                register_manual("BM_chunk/" + size_name(c.bytes) + "/" + v, kRounds,
+                                &BM_chunk_grouped, c, std::string(v));
+            }
+            for (const char* v : kDefaultVariants) {
                 register_manual("BM_chunk/" + size_name(c.bytes) + "/" + v, kRounds,
                                 &BM_chunk_grouped, c, std::string(v));
             }
@@ -1264,12 +1299,11 @@ void print_chunk_summary() {
     print_ratio("1 MiB / 64 MiB, better of plain and graph, best depths", target_best, ref_best,
                 kChunkTarget);
     // Default options, per-chunk stage: what a user who sets only the chunk size gets.
-    const unsigned default_depth = cudawait::pipeline_options{}.depth; // one of kSweepDepths
     for (const group_target& t : kDefaultTargets) {
-        print_ratio(size_name(t.bytes) + " / 64 MiB, default options (plain, depth " +
-                        std::to_string(default_depth) + ")",
-                    find(g_chunk_gbps, size_name(t.bytes) + "/" + chunk_key(false, default_depth)),
-                    ref_specified, t.target);
+        for (const char* v : kDefaultVariants) {
+            print_ratio(size_name(t.bytes) + " / 64 MiB, default options (" + v + ")",
+                        find(g_chunk_gbps, size_name(t.bytes) + "/" + v), ref_specified, t.target);
+        }
     }
     // Chunk groups: the best grouped variant of each size against the 64 MiB figure.
     for (const group_target& t : kGroupTargets) {
