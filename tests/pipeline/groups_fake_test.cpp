@@ -141,9 +141,11 @@ TEST_F(groups, small_chunks_are_grouped_by_default_and_an_explicit_setting_wins)
         EXPECT_FALSE(p.options().graph) << "graph replay chosen for a chunk that is not grouped";
     }
     // An empty stage is still refused.
-    EXPECT_THROW(pipe_t(options(), {cudawait::replayable(std::function<void(
-                                        std::span<u32>, std::span<u32>, cudawait::stream_ref)>{})}),
-                 cudawait::usage_error);
+    EXPECT_THROW(
+        pipe_t(options(),
+               {cudawait::replayable(
+                   std::function<void(std::span<u32>, std::span<u32>, cudawait::stream_ref)>{})}),
+        cudawait::usage_error);
 }
 
 TEST_F(groups, a_batch_in_default_groups_calls_the_stage_once_per_chunk_with_its_context) {
