@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <cudawait/core/detail/scheduler_impl.hpp> // sentinel_streams, idle_doorbell
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/scope.hpp>
 #include <cudawait/core/sync_wait.hpp>

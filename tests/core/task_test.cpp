@@ -139,7 +139,8 @@ TEST(task, this_scheduler_yields_a_wrapper_that_converts_to_the_reference) {
     scheduler s;
     auto body = [&]() -> task<bool> {
         auto kept = co_await cudawait::this_scheduler();
-        static_assert(std::is_same_v<decltype(kept), std::reference_wrapper<scheduler>>);
+        static_assert(!std::is_reference_v<decltype(kept)>);
+        static_assert(std::is_convertible_v<decltype(kept), scheduler&>);
         scheduler& bound = kept;
         co_return &kept.get() == &s&&& bound == &s;
     };
@@ -157,6 +158,50 @@ TEST(task, awaiting_gpu_work_without_a_scheduler_is_a_usage_error) {
     t.handle().resume();
     ASSERT_TRUE(t.done());
     EXPECT_THROW(t.handle().promise().result().take(), usage_error);
+}
+
+/// Counts its live objects; no default constructor and no copies, as some task results have.
+struct counted {
+    static inline int live = 0;
+    std::string text;
+    explicit counted(std::string t) : text(std::move(t)) { ++live; }
+    counted(counted&& o) noexcept : text(std::move(o.text)) { ++live; }
+    counted(const counted&) = delete;
+    ~counted() { --live; }
+};
+
+TEST(task, a_result_is_built_once_moved_and_destroyed_once) {
+    // The outcome of a task lives in raw storage: every value built there is destroyed exactly
+    // once, through the moves sync_wait and with_timeout make of it, take() and an exception
+    // that replaces it.
+    ASSERT_EQ(counted::live, 0);
+    {
+        cudawait::detail::result_slot<counted> a;
+        a.set_value(counted("a value long enough to live on the heap"));
+        EXPECT_EQ(counted::live, 1);
+        cudawait::detail::result_slot<counted> b(std::move(a));
+        EXPECT_EQ(counted::live, 2); // a keeps its moved-from value until it goes
+        cudawait::detail::result_slot<counted> c;
+        c = std::move(b);
+        EXPECT_EQ(counted::live, 3);
+        counted v = c.take();
+        EXPECT_EQ(v.text, "a value long enough to live on the heap");
+        EXPECT_EQ(counted::live, 3); // v in, c's value out
+        EXPECT_THROW(c.take(), usage_error);
+        b.set_value(counted("second"));
+        b.set_exception(std::make_exception_ptr(std::runtime_error("replaced")));
+        EXPECT_TRUE(b.has_exception());
+        EXPECT_THROW(b.take(), std::runtime_error);
+        EXPECT_EQ(counted::live, 2); // a's moved-from value and v
+    }
+    EXPECT_EQ(counted::live, 0);
+
+    scheduler s;
+    auto make = [](std::string t) -> task<counted> { co_return counted(std::move(t)); };
+    const std::string text = "through a task and sync_wait " + std::to_string(counted::live + 42);
+    counted got = sync_wait(s, make(text));
+    EXPECT_EQ(got.text, text);
+    EXPECT_EQ(counted::live, 1);
 }
 
 TEST(task, default_constructed_task_is_invalid) {

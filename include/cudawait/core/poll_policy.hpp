@@ -12,7 +12,7 @@
 // How an idle scheduler waits while GPU work is pending and nothing is ready. Pick a preset; the
 // fields they set, and what each phase costs, are described in docs/core.md#poll-policies.
 
-#include <chrono>
+#include <cudawait/runtime/detail/chrono.hpp>
 
 namespace cudawait {
 

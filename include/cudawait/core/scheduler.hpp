@@ -10,114 +10,92 @@
 //
 // One thread at a time drives a scheduler and coroutines resume on it; post, spawn, wake and
 // schedule() are safe from any thread. See docs/core.md#the-scheduler.
+//
+// The loop itself is core/detail/scheduler_impl.hpp, included at the end of this header; built
+// with CUDAWAIT_SEPARATE_COMPILATION (linking cudawait::compiled) it is compiled once, in the
+// library, instead (docs/getting-started.md#compile-time).
 
 #include <cudawait/core/detail/awaiters.hpp>
+#include <cudawait/core/detail/callback.hpp>
 #include <cudawait/core/detail/detached.hpp>
-#include <cudawait/core/detail/idle_strategy.hpp>
 #include <cudawait/core/detail/scheduler_access.hpp>
-#include <cudawait/core/detail/timer_heap.hpp>
-#include <cudawait/core/detail/wait_queues.hpp>
 #include <cudawait/core/poll_policy.hpp>
 #include <cudawait/core/task.hpp>
-#include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/runtime/stream.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
+#include <cudawait/runtime/detail/refs.hpp>
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <coroutine>
-#include <cstddef>
-#include <cstdio>
 #include <exception>
-#include <functional>
-#include <mutex>
 #include <source_location>
 #include <stop_token>
-#include <thread>
+#include <type_traits>
 #include <utility>
-#include <vector>
 
 #include <cuda_runtime_api.h>
 
 namespace cudawait {
 
-class scheduler;
-
 namespace detail {
+/// Where a task that scheduler::spawn started hands its outcome.
+struct spawn_sink {
+    scheduler_core* core;
+    template <class R>
+    void complete(result_slot<R>&& r) {
+        core->finish_detached(r.has_exception() ? r.exception() : std::exception_ptr());
+    }
+};
+} // namespace detail
 
-/// Everything `scheduler` is, as a class template that `scheduler` derives from: the members of
-/// a template are instantiated only where they are used, so a translation unit that includes
-/// this header and drives no scheduler does not instantiate the loop and the standard containers
-/// it uses. `Unused` is always void.
-template <class Unused>
-class basic_scheduler {
-    using clock = std::chrono::steady_clock;
-    template <class>
-    friend struct scheduler_access_t;
-
+/// The event loop. Resumes coroutines when the GPU work they await finished, when their timers
+/// expire, or when other threads post them.
+class scheduler {
 public:
-    explicit basic_scheduler(poll_policy policy = {}) : m_policy(policy) {}
-    basic_scheduler(const basic_scheduler&) = delete;
-    basic_scheduler& operator=(const basic_scheduler&) = delete;
+    using pending_counts = detail::scheduler_pending_counts;
+
+    /// A template only so that a translation unit that makes no scheduler does not compile the
+    /// loop (`Unused` is always void).
+    template <class Unused = void>
+    explicit scheduler(poll_policy policy = {})
+        : m_core(detail::new_scheduler_core<Unused>(policy)) {}
+    scheduler(const scheduler&) = delete;
+    scheduler& operator=(const scheduler&) = delete;
 
     /// Drives the loop until no GPU wait is pending and nothing is ready, so no recycled event
     /// is handed back while the GPU may still complete it. Coroutines still suspended on timers
     /// or on other schedulers are reported on stderr and not resumed.
-    ~basic_scheduler() {
-        try {
-            run_until([this] {
-                return !m_waits.has_waits() && m_ready.empty() && m_stalled.empty() &&
-                       m_children == 0 && !m_has_remote.load();
-            });
-        } catch (const std::exception& e) {
-            std::fprintf(stderr, "cudawait: scheduler drain failed: %s\n", e.what());
-        }
-        if (m_timers.live() > 0 || m_detached.load() > 0) {
-            std::fprintf(stderr,
-                         "cudawait: scheduler destroyed with %zu pending timers and %zu detached "
-                         "tasks still suspended; they will not be resumed\n",
-                         m_timers.live(), m_detached.load());
-        }
-        // A thread that handed work over (post, wake, a finished detached task) does all it does
-        // to this scheduler under m_remote_mutex: once this lock is had, none is still inside.
-        { std::lock_guard lock(m_remote_mutex); }
-        m_timers.clear();
-        m_waits.release_events();
-    }
+    ~scheduler() { delete m_core; }
 
     /// `co_await sched.schedule()` continues the awaiting coroutine on this scheduler's thread,
     /// and makes it the coroutine's scheduler from then on.
-    [[nodiscard]] detail::schedule_awaitable schedule() noexcept;
+    [[nodiscard]] detail::schedule_awaitable schedule() noexcept {
+        detail::schedule_awaitable a;
+        a.target = this;
+        return a;
+    }
 
     /// Resumes `h` on the scheduler's thread. Thread-safe.
     void post(std::coroutine_handle<> h) {
-        post(std::function<void()>([h] { h.resume(); }));
+        m_core->post([h] { h.resume(); });
     }
-    /// Runs `fn` on the scheduler's thread. Thread-safe. An exception from `fn` is kept and
-    /// rethrown by the next `run()`.
-    void post(std::function<void()> fn) {
-        signal([this, &fn] { m_remote.push_back(std::move(fn)); });
-    }
+    /// Runs `fn` (callable with no arguments) on the scheduler's thread. Thread-safe. An
+    /// exception from `fn` is kept and rethrown by the next `run()`.
+    template <class F>
+    requires std::is_invocable_v < std::decay_t<F>
+    & > void post(F&& fn) { m_core->post(detail::callback(std::forward<F>(fn))); }
     /// Makes a waiting loop re-check its stop condition. Thread-safe; allocates nothing.
-    void wake() noexcept {
-        signal([] {});
-    }
+    void wake() noexcept { m_core->wake(); }
 
     /// Starts `work` (a task or any awaitable) on this scheduler, detached. Its exception, if
     /// any, is rethrown by the next `run()`. Thread-safe.
     template <class A>
     void spawn(A&& work) {
         using R = detail::awaited_t<A>;
-        auto d = detail::run_detached<R>(std::forward<A>(work), detached_sink{this});
-        d.handle().promise().set_scheduler(self());
+        auto d = detail::run_detached<R>(std::forward<A>(work), detail::spawn_sink{m_core});
+        d.handle().promise().set_scheduler(this);
         // Counted as the post publishes it, so that a failed post (or frame allocation) leaves
         // no count behind that run() would wait for.
         try {
-            signal([this, &d] {
-                m_remote.push_back([h = std::coroutine_handle<>(d.handle())] { h.resume(); });
-                m_detached.fetch_add(1, std::memory_order_relaxed);
-            });
+            m_core->start_detached(d.handle());
         } catch (...) {
             d.handle().destroy();
             throw;
@@ -127,532 +105,50 @@ public:
     /// Drives the loop until no work is left: nothing ready, no GPU wait, no timer and no
     /// detached task. Rethrows the first exception of a detached task.
     /// @throws usage_error when another thread is driving this scheduler
-    void run() {
-        run_until([this] { return idle(); });
-        rethrow_detached_error();
-    }
+    void run() { m_core->run(); }
     /// Drives the loop until `stop` is requested, waiting for posts when idle.
-    void run(std::stop_token stop) {
-        std::stop_callback wake_on_stop(stop, [this] { wake(); });
-        run_until([&stop] { return stop.stop_requested(); });
-        rethrow_detached_error();
-    }
+    void run(std::stop_token stop) { m_core->run(std::move(stop)); }
 
     /// Drives the loop on the calling thread until `done()` is true. `done` is checked after
     /// every step; whoever makes it true from another thread must call wake().
     /// @throws usage_error when another thread is driving this scheduler
     template <class Pred>
     void run_until(Pred&& done) {
-        run_from({}, std::forward<Pred>(done));
+        detail::scheduler_access::run_from(*this, {}, done);
     }
 
     /// One non-blocking turn of the loop. Returns whether anything happened.
     /// @throws usage_error when another thread is driving this scheduler
-    bool poll() {
-        loop_owner owner(*this);
-        return step();
-    }
+    bool poll() { return m_core->poll(); }
 
     /// What is pending, for diagnostics and tests. Call from the driving thread or while idle.
-    struct pending_counts {
-        std::size_t stream_waits = 0;
-        std::size_t event_waits = 0;
-        std::size_t streams = 0;
-        std::size_t timers = 0;
-        std::size_t ready = 0;
-        std::size_t detached = 0;
-    };
-    [[nodiscard]] pending_counts pending() const {
-        return {m_waits.stream_waits(), m_waits.event_waits(), m_waits.streams(),
-                m_timers.live(),        m_ready.size(),        m_detached.load()};
-    }
+    [[nodiscard]] pending_counts pending() const { return m_core->pending(); }
 
-    [[nodiscard]] const poll_policy& policy() const noexcept { return m_policy; }
+    [[nodiscard]] const poll_policy& policy() const noexcept { return m_core->policy(); }
     /// Call from the driving thread or while idle.
-    void set_policy(const poll_policy& p) noexcept { m_policy = p; }
+    void set_policy(const poll_policy& p) noexcept { m_core->set_policy(p); }
 
     /// For coroutines other than the library's: `co_await sched.wait(stream)`.
-    [[nodiscard]] inline detail::wait_awaiter<cudaStream_t>
-    wait(stream_ref s, std::source_location where = std::source_location::current());
+    [[nodiscard]] detail::wait_awaiter<cudaStream_t>
+    wait(stream_ref s, std::source_location where = std::source_location::current()) {
+        return {*this, s.get(), where};
+    }
     /// For coroutines other than the library's: `co_await sched.wait(event)`.
-    [[nodiscard]] inline detail::wait_awaiter<cudaEvent_t>
-    wait(event_ref e, std::source_location where = std::source_location::current());
+    [[nodiscard]] detail::wait_awaiter<cudaEvent_t>
+    wait(event_ref e, std::source_location where = std::source_location::current()) {
+        return {*this, e.get(), where};
+    }
     /// For coroutines other than the library's: `co_await sched.sleep_for(d)`.
-    [[nodiscard]] inline detail::sleep_awaiter sleep_for(std::chrono::nanoseconds d);
+    [[nodiscard]] detail::sleep_awaiter sleep_for(std::chrono::nanoseconds d) {
+        return detail::sleep_awaiter(*this, d);
+    }
 
 private:
-    // ---- used by the awaiters and the library's drivers (detail::scheduler_access) --------
+    template <class>
+    friend struct detail::scheduler_access_t;
 
-    /// run_until, resuming `first` (if any) as the loop's first piece of work. `first` is left
-    /// untouched when the call throws usage_error.
-    template <class Pred>
-    void run_from(std::coroutine_handle<> first, Pred&& done) {
-        loop_owner owner(*this);
-        if (first) {
-            m_ready.push_back(first);
-        }
-        auto last_progress = clock::now();
-        auto backoff = m_policy.sleep_min;
-        while (!done()) {
-            if (step()) {
-                const auto now = clock::now();
-                if (m_gpu_progress && now - last_progress > m_policy.spin) {
-                    m_idle.record(now - last_progress); // a wait that outlasted the spin
-                }
-                last_progress = now;
-                backoff = m_policy.sleep_min;
-                continue;
-            }
-            if (done()) {
-                break;
-            }
-            m_idle.wait(m_policy, m_waits, m_timers, {m_remote_mutex, m_remote_cv, m_has_remote},
-                        last_progress, backoff);
-        }
-    }
-
-    /// Queues `h` until the work enqueued on `s` so far finished: records a recycled event on `s`
-    /// and appends it to the stream's FIFO. Returns false (with `status` and `api` set) when
-    /// that failed and `h` must not suspend. Any thread.
-    bool add_wait(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
-                  const char*& api) noexcept {
-        if (!on_loop_thread()) {
-            // Recorded here, on the awaiting thread: its current device and its per-thread
-            // stream are what the handle names (the loop thread's may differ).
-            return add_stream_wait_foreign(s, h, status, api);
-        }
-        try {
-            return add_stream_wait_local(s, h, status, api);
-        } catch (...) {
-            return fail(status, api, cudaErrorMemoryAllocation, "stream wait bookkeeping");
-        }
-    }
-
-    /// Queues `h` until the user's event `e` completes. Same contract as for a stream.
-    bool add_wait(cudaEvent_t e, std::coroutine_handle<> h, cudaError_t& status,
-                  const char*& api) noexcept {
-        if (!on_loop_thread()) {
-            return post_add_wait(e, h, status, api);
-        }
-        try {
-            detail::wait_node* n = m_waits.new_node();
-            n->event = e;
-            n->device = -1;
-            n->waiter = h;
-            n->status = &status;
-            api = "cudaEventQuery";
-            m_waits.push_event_wait(n);
-        } catch (...) {
-            return fail(status, api, cudaErrorMemoryAllocation, "event wait bookkeeping");
-        }
-        return true;
-    }
-
-    /// Resumes `h` at `deadline`. Any thread.
-    void add_timer(clock::time_point deadline, std::coroutine_handle<> h) {
-        if (!on_loop_thread()) {
-            post([this, deadline, h] { add_timer(deadline, h); });
-            return;
-        }
-        m_timers.add(deadline, h);
-    }
-    /// Calls `fn` on the loop thread at `deadline` unless cancelled first. Loop thread only.
-    detail::timer_node* add_timer(clock::time_point deadline, std::function<void()> fn) {
-        return m_timers.add(deadline, std::move(fn));
-    }
-    /// add_timer(deadline, fn) for a periodic check: the timer does not keep run() going nor
-    /// the destructor waiting. Loop thread only.
-    detail::timer_node* add_daemon_timer(clock::time_point deadline, std::function<void()> fn) {
-        return m_timers.add_daemon(deadline, std::move(fn));
-    }
-    /// Cancels a callback timer that has not fired yet. Loop thread only.
-    void cancel_timer(detail::timer_node* t) noexcept { m_timers.cancel(t); }
-
-    /// For a watchdog (watchdog.hpp), loop thread only: fails every await of a stream of `dev`.
-    /// Each coroutine resumes at the loop's next step, its await throwing stall_error; not
-    /// resumed here, as the caller (a watchdog's timer) may be owned by one of them. Returns how
-    /// many awaits it failed.
-    std::size_t fail_waits_on(int dev, std::chrono::nanoseconds stalled_for) {
-        const std::size_t before = m_stalled.size();
-        m_waits.fail_waits_on(dev, [&](std::coroutine_handle<> waiter) {
-            m_stalled.push_back({waiter, {dev, stalled_for}});
-        });
-        return m_stalled.size() - before;
-    }
-    /// Library-internal detached coroutines (the work behind a with_timeout) are counted so
-    /// that run() and the destructor wait for them. Loop thread only.
-    void child_started() noexcept { m_children.fetch_add(1, std::memory_order_relaxed); }
-    void child_finished() noexcept { m_children.fetch_sub(1, std::memory_order_relaxed); }
-
-    [[nodiscard]] bool on_loop_thread() const noexcept {
-        return m_owner.load(std::memory_order_relaxed) == std::this_thread::get_id();
-    }
-
-    // ---- helpers ---------------------------------------------------------------------------
-
-    /// The scheduler this is the base of (`this` is dependent: the cast is checked where the
-    /// member is instantiated, after `scheduler` is complete).
-    [[nodiscard]] scheduler* self() noexcept { return static_cast<scheduler*>(this); }
-
-    /// Publishes a change that may let the loop finish (`change()`, run under m_remote_mutex) and
-    /// wakes the loop, touching nothing of the scheduler after the lock is released: the loop
-    /// may return and the scheduler be destroyed at once (its destructor takes the lock last).
-    template <class Change>
-    void signal(Change&& change) {
-        std::lock_guard lock(m_remote_mutex);
-        change();
-        m_has_remote.store(true); // sequentially consistent: see doorbell_wait
-        m_remote_cv.notify_one();
-        m_idle.ring_if_blocked();
-    }
-
-    struct detached_sink {
-        basic_scheduler* self;
-        template <class R>
-        void complete(detail::result_slot<R>&& r) {
-            if (r.has_exception()) {
-                std::lock_guard lock(self->m_error_mutex);
-                if (!self->m_detached_error) {
-                    self->m_detached_error = r.exception();
-                }
-            }
-            // The last thing this sink does to the scheduler, under its lock (see signal).
-            self->signal([s = self] { s->m_detached.fetch_sub(1, std::memory_order_release); });
-        }
-    };
-
-    class loop_owner {
-    public:
-        explicit loop_owner(basic_scheduler& s) : m_s(s) {
-            std::thread::id none{};
-            if (!m_s.m_owner.compare_exchange_strong(none, std::this_thread::get_id())) {
-                throw usage_error("cudawait::scheduler is already being driven (by another "
-                                  "thread, or re-entered from one of its own coroutines)");
-            }
-        }
-        loop_owner(const loop_owner&) = delete;
-        loop_owner& operator=(const loop_owner&) = delete;
-        ~loop_owner() { m_s.m_owner.store(std::thread::id{}); }
-
-    private:
-        basic_scheduler& m_s;
-    };
-
-    bool add_stream_wait_local(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
-                               const char*& api) {
-        detail::stream_fifo* f = nullptr;
-        const char* what = nullptr;
-        if (cudaError_t st = m_waits.fifo_for(s, f, what); st != cudaSuccess) {
-            return fail(status, api, st, what);
-        }
-        detail::wait_node* n = m_waits.new_node();
-        cudaEvent_t ev = nullptr;
-        if (cudaError_t st = m_waits.event_for(f, ev); st != cudaSuccess) {
-            m_waits.free_node(n);
-            m_waits.drop_fifo_if_empty(f);
-            return fail(status, api, st, "cudaEventCreateWithFlags");
-        }
-        if (cudaError_t st = cudaEventRecord(ev, s); st != cudaSuccess) {
-            f->spare.push_back(ev);
-            m_waits.free_node(n);
-            m_waits.drop_fifo_if_empty(f);
-            return fail(status, api, st, "cudaEventRecord");
-        }
-        n->event = ev;
-        n->device = f->device;
-        n->waiter = h;
-        n->status = &status;
-        api = "cudaEventQuery";
-        m_waits.push(f, n);
-        return true;
-    }
-
-    /// add_wait(stream) off the loop thread: the event is recorded here and only its
-    /// bookkeeping is posted. It joins the user events' list (each queried on its own), not the
-    /// stream's FIFO, whose order the loop thread's own records define.
-    bool add_stream_wait_foreign(cudaStream_t s, std::coroutine_handle<> h, cudaError_t& status,
-                                 const char*& api) noexcept {
-        int dev = 0;
-        const bool per_device = detail::wait_queues<Unused>::names_stream_per_device(s);
-        if (cudaError_t st = per_device ? cudaGetDevice(&dev) : cudaStreamGetDevice(s, &dev);
-            st != cudaSuccess) {
-            return fail(status, api, st, per_device ? "cudaGetDevice" : "cudaStreamGetDevice");
-        }
-        cudaEvent_t ev = nullptr;
-        try {
-            ev = event_pool::for_device(dev).acquire_raw();
-        } catch (const cuda_error& e) {
-            return fail(status, api, e.status(), "cudaEventCreateWithFlags");
-        } catch (...) {
-            return fail(status, api, cudaErrorMemoryAllocation, "stream wait bookkeeping");
-        }
-        if (cudaError_t st = cudaEventRecord(ev, s); st != cudaSuccess) {
-            event_pool::for_device(dev).release_raw(ev);
-            return fail(status, api, st, "cudaEventRecord");
-        }
-        try {
-            post(std::function<void()>([this, ev, dev, h, &status, &api] {
-                try {
-                    detail::wait_node* n = m_waits.new_node();
-                    n->event = ev;
-                    n->device = dev;
-                    n->waiter = h;
-                    n->status = &status;
-                    api = "cudaEventQuery";
-                    m_waits.push_event_wait(n);
-                } catch (...) {
-                    // The event may still be pending: recorded again before anyone reuses it.
-                    event_pool::for_device(dev).release_raw(ev);
-                    (void)fail(status, api, cudaErrorMemoryAllocation, "stream wait bookkeeping");
-                    m_ready.push_back(h);
-                }
-            }));
-            return true;
-        } catch (...) {
-            event_pool::for_device(dev).release_raw(ev);
-            return fail(status, api, cudaErrorMemoryAllocation, "scheduler::post");
-        }
-    }
-
-    static bool fail(cudaError_t& status, const char*& api, cudaError_t st,
-                     const char* what) noexcept {
-        (void)cudaGetLastError();
-        status = st;
-        api = what;
-        return false;
-    }
-    /// add_wait off the loop thread: the loop thread adds the wait instead, and resumes `h` at
-    /// once (with `status` set) if that fails there.
-    template <class Handle>
-    bool post_add_wait(Handle handle, std::coroutine_handle<> h, cudaError_t& status,
-                       const char*& api) noexcept {
-        try {
-            post(std::function<void()>([this, handle, h, &status, &api] {
-                if (!add_wait(handle, h, status, api)) {
-                    m_ready.push_back(h);
-                }
-            }));
-            return true;
-        } catch (...) {
-            return fail(status, api, cudaErrorMemoryAllocation, "scheduler::post");
-        }
-    }
-
-    [[nodiscard]] bool idle() const noexcept {
-        return !m_waits.has_waits() && m_ready.empty() && m_stalled.empty() &&
-               m_timers.live() == 0 && m_children == 0 &&
-               m_detached.load(std::memory_order_acquire) == 0 &&
-               !m_has_remote.load(std::memory_order_acquire);
-    }
-    void rethrow_detached_error() {
-        std::exception_ptr e;
-        {
-            std::lock_guard lock(m_error_mutex);
-            e = std::exchange(m_detached_error, nullptr);
-        }
-        if (e) {
-            std::rethrow_exception(e);
-        }
-    }
-
-    // ---- the loop --------------------------------------------------------------------------
-
-    bool step() {
-        bool progress = take_remote();
-        m_gpu_progress = poll_streams();
-        m_gpu_progress |= m_waits.poll_events([this](detail::wait_node* n, cudaError_t st) {
-            m_ready.push_back(m_waits.release(n, st));
-        });
-        progress |= m_gpu_progress;
-        progress |= !m_timers.empty() && m_timers.fire(clock::now(), m_ready);
-        progress |= resume_stalled(); // after the timer that failed them has returned
-        progress |= run_ready();
-        return progress;
-    }
-
-    bool take_remote() {
-        if (!m_has_remote.load(std::memory_order_acquire)) {
-            return false;
-        }
-        {
-            std::lock_guard lock(m_remote_mutex);
-            m_remote_batch.swap(m_remote);
-            m_has_remote.store(false, std::memory_order_relaxed);
-        }
-        for (auto& fn : m_remote_batch) {
-            if (fn) {
-                try {
-                    fn();
-                } catch (...) {
-                    std::lock_guard lock(m_error_mutex);
-                    if (!m_detached_error) {
-                        m_detached_error = std::current_exception();
-                    }
-                }
-            }
-        }
-        m_remote_batch.clear();
-        return true;
-    }
-
-    /// Resumes the awaits fail_waits_on failed, each reading its own record.
-    bool resume_stalled() {
-        if (m_stalled.empty()) {
-            return false;
-        }
-        std::vector<stalled_wait> batch;
-        batch.swap(m_stalled);
-        for (const stalled_wait& w : batch) {
-            m_stall = w.record;
-            w.waiter.resume();
-        }
-        return true;
-    }
-
-    bool run_ready() {
-        if (m_ready.empty()) {
-            return false;
-        }
-        m_ready_batch.swap(m_ready);
-        for (std::coroutine_handle<> h : m_ready_batch) {
-            h.resume();
-        }
-        m_ready_batch.clear();
-        return true;
-    }
-
-    bool poll_streams() {
-        bool progress = false;
-        const auto& active = m_waits.active();
-        for (std::size_t i = 0; i < active.size();) {
-            detail::stream_fifo* f = active[i];
-            progress |= poll_fifo(f);
-            // An emptied FIFO left the active list (finish_head), and another took its place:
-            // poll that one next. (One made for a resumed coroutine's await may be skipped this
-            // sweep: polled at the next.)
-            if (i < active.size() && active[i] == f) {
-                ++i;
-            }
-        }
-        return progress;
-    }
-
-    /// Completes the done prefix of `f`'s FIFO, resuming each waiter right away: the resumed
-    /// coroutine usually enqueues its next work on this stream, and the GPU gets it before the
-    /// next query rather than a sweep later. The prefix is found in about 2 log2(k) + 2 queries
-    /// for k done nodes (docs/core.md#polling).
-    bool poll_fifo(detail::stream_fifo* f) {
-        bool progress = false;
-        while (detail::wait_node* head = f->head) {
-            const cudaError_t st = cudaEventQuery(head->event);
-            if (st == cudaErrorNotReady) {
-                break;
-            }
-            progress = true;
-            if (st != cudaSuccess) {
-                finish_head(f, st);
-                continue;
-            }
-            // A not-ready node right after the prefix ends this sweep of the FIFO, as a not-ready
-            // head would.
-            bool next_not_ready = false;
-            const std::size_t proven =
-                detail::wait_queues<Unused>::done_prefix(head, next_not_ready);
-            // Resuming appends new nodes behind the prefix, never inside it, so the prefix is
-            // always the first `proven` nodes of the FIFO.
-            for (std::size_t k = 0; k < proven; ++k) {
-                finish_head(f, cudaSuccess);
-            }
-            if (next_not_ready) {
-                break;
-            }
-        }
-        return progress;
-    }
-
-    /// Takes the head node off `f`, recycles its event on the stream and resumes its waiter.
-    /// An emptied FIFO is forgotten before the waiter runs: it may destroy the stream, and a new
-    /// stream (of any device) may get the same handle and must not find this FIFO.
-    void finish_head(detail::stream_fifo* f, cudaError_t st) {
-        std::coroutine_handle<> h = m_waits.release(m_waits.pop_head(f), st);
-        if (m_ready.empty()) {
-            h.resume(); // what run_ready would do, without the trip through m_ready
-        } else {
-            m_ready.push_back(h);
-            run_ready();
-        }
-    }
-
-    /// What a sentinel's host function calls (a CUDA-internal thread): ends the loop's sleep,
-    /// or its block on the doorbell, as a post does, without allocating.
-    static void sentinel_fired(void* self) noexcept {
-        static_cast<basic_scheduler*>(self)->signal([] {});
-    }
-
-    poll_policy m_policy;
-
-    // Loop-thread state.
-    bool m_gpu_progress = false; ///< the last step() completed GPU waits
-    std::vector<std::coroutine_handle<>> m_ready;
-    std::vector<std::coroutine_handle<>> m_ready_batch;
-    detail::wait_queues<Unused> m_waits;
-    detail::timer_heap<Unused> m_timers;
-    std::atomic<std::size_t> m_children{0};
-    detail::stall_record m_stall; ///< what the await resume_stalled resumes now throws
-    struct stalled_wait {
-        std::coroutine_handle<> waiter;
-        detail::stall_record record;
-    };
-    std::vector<stalled_wait> m_stalled; ///< failed by fail_waits_on, resumed at the next step
-
-    // Shared with other threads.
-    std::mutex m_remote_mutex;
-    std::condition_variable m_remote_cv;
-    std::vector<std::function<void()>> m_remote;
-    std::vector<std::function<void()>> m_remote_batch;
-    std::atomic<bool> m_has_remote{false};
-    std::atomic<std::thread::id> m_owner{};
-    std::atomic<std::size_t> m_detached{0};
-    std::mutex m_error_mutex;
-    std::exception_ptr m_detached_error;
-    /// Last: its sentinels find the members above while it is destroyed (first), and none
-    /// fires once it is gone; its doorbell is rung by posts.
-    detail::idle_strategy<Unused> m_idle{&basic_scheduler::sentinel_fired, this};
+    detail::scheduler_core* m_core;
 };
-
-} // namespace detail
-
-/// The event loop. Resumes coroutines when the GPU work they await finished, when their timers
-/// expire, or when other threads post them. (Its members are those of detail::basic_scheduler.)
-class scheduler : public detail::basic_scheduler<> {
-public:
-    using detail::basic_scheduler<>::basic_scheduler;
-};
-
-namespace detail {
-
-template <class Unused>
-schedule_awaitable basic_scheduler<Unused>::schedule() noexcept {
-    // Not `return {self()};`: nvcc 13.0's host pass rejects that aggregate initialisation in a
-    // member template ("could not convert"), as g++ on its own does not.
-    schedule_awaitable a;
-    a.target = self();
-    return a;
-}
-template <class Unused>
-wait_awaiter<cudaStream_t> basic_scheduler<Unused>::wait(stream_ref s, std::source_location where) {
-    return {*self(), s.get(), where};
-}
-template <class Unused>
-wait_awaiter<cudaEvent_t> basic_scheduler<Unused>::wait(event_ref e, std::source_location where) {
-    return {*self(), e.get(), where};
-}
-template <class Unused>
-sleep_awaiter basic_scheduler<Unused>::sleep_for(std::chrono::nanoseconds d) {
-    return sleep_awaiter(*self(), d);
-}
-
-} // namespace detail
 
 /// Inside a library coroutine: `co_await sleep_for(10ms)` resumes after at least `d`, without
 /// blocking the scheduler's thread.
@@ -661,3 +157,13 @@ sleep_awaiter basic_scheduler<Unused>::sleep_for(std::chrono::nanoseconds d) {
 }
 
 } // namespace cudawait
+
+#if defined(CUDAWAIT_SEPARATE_COMPILATION)
+namespace cudawait::detail {
+// Instantiated once, in cudawait::compiled (src/cudawait.cpp), even where a translation unit
+// includes the loop's definition itself.
+extern template scheduler_core* new_scheduler_core<void>(const poll_policy& policy);
+} // namespace cudawait::detail
+#else
+#include <cudawait/core/detail/scheduler_impl.hpp>
+#endif

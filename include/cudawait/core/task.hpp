@@ -12,18 +12,16 @@
 // Completion hands control straight back to the awaiting coroutine (symmetric transfer), so deep
 // chains do not grow the stack.
 
+#include <cudawait/runtime/detail/refs.hpp>
 #include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/runtime/stream.hpp>
 
 #include <concepts>
 #include <coroutine>
 #include <exception>
-#include <functional>
+#include <new>
 #include <source_location>
 #include <type_traits>
 #include <utility>
-#include <variant>
 
 #include <cuda_runtime_api.h>
 
@@ -131,35 +129,70 @@ void inherit_scheduler(std::coroutine_handle<P> parent, promise_base& child) noe
     }
 }
 
-/// Holds a coroutine's outcome: nothing yet, a value, or an exception.
+/// Holds a coroutine's outcome: nothing yet, a value, or an exception. (Raw storage rather than
+/// a std::variant: <variant> costs every translation unit that includes a task.)
 template <class T>
 class result_slot {
 public:
+    result_slot() noexcept {}
+    result_slot(result_slot&& o) noexcept(std::is_nothrow_move_constructible_v<T>)
+        : m_error(std::move(o.m_error)) {
+        if (o.m_has_value) {
+            ::new (static_cast<void*>(m_storage)) T(std::move(o.value()));
+            m_has_value = true;
+        }
+    }
+    result_slot& operator=(result_slot&& o) noexcept(std::is_nothrow_move_constructible_v<T>) {
+        if (this != &o) {
+            reset();
+            m_error = std::move(o.m_error);
+            if (o.m_has_value) {
+                ::new (static_cast<void*>(m_storage)) T(std::move(o.value()));
+                m_has_value = true;
+            }
+        }
+        return *this;
+    }
+    ~result_slot() { reset(); }
+
     template <class U>
     void set_value(U&& v) {
-        m_state.template emplace<1>(std::forward<U>(v));
+        reset();
+        ::new (static_cast<void*>(m_storage)) T(std::forward<U>(v));
+        m_has_value = true;
     }
-    void set_exception(std::exception_ptr e) noexcept { m_state.template emplace<2>(std::move(e)); }
-    [[nodiscard]] bool has_exception() const noexcept { return m_state.index() == 2; }
-    [[nodiscard]] std::exception_ptr exception() const noexcept {
-        return m_state.index() == 2 ? std::get<2>(m_state) : nullptr;
+    void set_exception(std::exception_ptr e) noexcept {
+        reset();
+        m_error = std::move(e);
     }
+    [[nodiscard]] bool has_exception() const noexcept { return m_error != nullptr; }
+    [[nodiscard]] std::exception_ptr exception() const noexcept { return m_error; }
 
     /// Moves the value out, or rethrows the stored exception.
     T take() {
-        if (m_state.index() == 2) {
-            std::rethrow_exception(std::get<2>(m_state));
+        if (m_error) {
+            std::rethrow_exception(m_error);
         }
-        if (m_state.index() != 1) {
+        if (!m_has_value) {
             throw usage_error("cudawait: result taken twice or before completion");
         }
-        T v = std::move(std::get<1>(m_state));
-        m_state.template emplace<0>();
+        T v = std::move(value());
+        reset();
         return v;
     }
 
 private:
-    std::variant<std::monostate, T, std::exception_ptr> m_state;
+    T& value() noexcept { return *std::launder(reinterpret_cast<T*>(m_storage)); }
+    void reset() noexcept {
+        if (m_has_value) {
+            value().~T();
+            m_has_value = false;
+        }
+    }
+
+    alignas(T) unsigned char m_storage[sizeof(T)];
+    bool m_has_value = false;
+    std::exception_ptr m_error;
 };
 
 template <>
@@ -319,7 +352,19 @@ inline auto task_promise<void>::get_return_object() noexcept {
 /// `co_await this_scheduler()` yields the scheduler the awaiting coroutine runs on.
 struct this_scheduler_t {};
 
-/// Yields a std::reference_wrapper, not a `scheduler&`: nvcc 13.0 (V13.0.88; its EDG front end)
+/// What `co_await this_scheduler()` yields: a reference to the scheduler, as a class that converts
+/// to `scheduler&` (std::reference_wrapper's interface, without <functional>).
+class scheduler_reference {
+public:
+    explicit scheduler_reference(scheduler& s) noexcept : m_scheduler(&s) {}
+    operator scheduler&() const noexcept { return *m_scheduler; }
+    [[nodiscard]] scheduler& get() const noexcept { return *m_scheduler; }
+
+private:
+    scheduler* m_scheduler;
+};
+
+/// Yields a scheduler_reference, not a `scheduler&`: nvcc 13.0 (V13.0.88; its EDG front end)
 /// treats every `co_await` expression as a prvalue, whatever await_resume returns, so in a .cu
 /// file `S& s = co_await a;` with `S& await_resume()` fails with "initial value of reference to
 /// non-const must be an lvalue" (g++ and clang accept it, as [expr.await] makes it an lvalue). No
@@ -329,7 +374,7 @@ struct this_scheduler_awaiter {
     scheduler* m_scheduler;
     bool await_ready() const noexcept { return true; }
     void await_suspend(std::coroutine_handle<>) const noexcept {}
-    std::reference_wrapper<scheduler> await_resume() const noexcept { return *m_scheduler; }
+    scheduler_reference await_resume() const noexcept { return scheduler_reference(*m_scheduler); }
 };
 
 inline this_scheduler_awaiter await_on(promise_base& p, this_scheduler_t, std::source_location) {
@@ -347,8 +392,8 @@ using awaited_t = decltype(get_awaiter(std::declval<await_result_t<A>>()).await_
 } // namespace detail
 
 /// Inside a library coroutine: `scheduler& s = co_await this_scheduler();`, in .cpp and .cu files
-/// alike. The `co_await` yields a `std::reference_wrapper<scheduler>`, which converts to
-/// `scheduler&` (`auto s = co_await this_scheduler();` keeps the wrapper; use `s.get()`).
+/// alike. The `co_await` yields a reference wrapper, which converts to `scheduler&`
+/// (`auto s = co_await this_scheduler();` keeps the wrapper; use `s.get()`).
 /// @throws usage_error when the coroutine runs without a scheduler
 [[nodiscard]] constexpr detail::this_scheduler_t this_scheduler() noexcept { return {}; }
 

@@ -14,13 +14,13 @@
 #include <cudawait/core/detail/detached.hpp>
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <atomic>
-#include <chrono>
 #include <coroutine>
 #include <cstddef>
 #include <memory>

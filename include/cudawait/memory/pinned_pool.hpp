@@ -23,12 +23,12 @@
 #include <cudawait/memory/pinned_pool_options.hpp>
 #include <cudawait/memory/slab_source.hpp>
 #include <cudawait/memory/use_tracker.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>

@@ -13,8 +13,8 @@
 #include <cudawait/memory/literals.hpp>
 #include <cudawait/memory/slab_source.hpp>
 #include <cudawait/memory/use_tracker.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>

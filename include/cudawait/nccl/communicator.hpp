@@ -18,11 +18,11 @@
 #include <cudawait/core/timeout.hpp>
 #include <cudawait/nccl/error.hpp>
 #include <cudawait/nccl/unique_id.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <mutex>

@@ -8,7 +8,8 @@
 // what() names the call, NCCL's result and NCCL's last error text. See
 // docs/nccl.md#errors-and-timeouts.
 
-#include <chrono>
+#include <cudawait/runtime/detail/chrono.hpp>
+
 #include <cstdio>
 #include <stdexcept>
 #include <string>

@@ -19,12 +19,12 @@
 #include <cudawait/nccl/communicator.hpp>
 #include <cudawait/nccl/error.hpp>
 #include <cudawait/nccl/unique_id.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <coroutine>
 #include <cstddef>
 #include <cstdio>

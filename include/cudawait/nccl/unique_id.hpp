@@ -10,9 +10,9 @@
 // The token every rank needs to join one communicator. See docs/nccl.md#joining.
 
 #include <cudawait/nccl/error.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 
-#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>

@@ -15,13 +15,13 @@
 // See docs/observe.md#timeline.
 
 #include <cudawait/observe/detail/json.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

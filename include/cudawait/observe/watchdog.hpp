@@ -12,13 +12,13 @@
 
 #include <cudawait/core/scheduler.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>

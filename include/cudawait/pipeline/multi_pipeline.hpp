@@ -23,11 +23,11 @@
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/pipeline.hpp>
 #include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <deque>
 #include <functional>

@@ -14,9 +14,9 @@
 // docs/pipeline.md#options.
 
 #include <cudawait/memory/device_resource.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 
-#include <chrono>
 #include <cstddef>
 #include <exception>
 #include <functional>

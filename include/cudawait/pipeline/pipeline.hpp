@@ -23,11 +23,11 @@
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/report.hpp>
 #include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <optional>
 #include <ostream>

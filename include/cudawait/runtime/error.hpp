@@ -11,9 +11,9 @@
 // Every CUDA call the library makes goes through check() (or a try_ variant on noexcept paths).
 
 // First: fails a build that is not C++20 with a message that says so.
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/detail/config.hpp>
 
-#include <chrono>
 #include <cstdio>
 #include <source_location>
 #include <stdexcept>

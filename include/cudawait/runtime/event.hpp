@@ -12,8 +12,8 @@
 // `co_await ev` resumes once the work captured by the event's last record finished. See
 // docs/runtime.md#events.
 
-#include <cudawait/runtime/detail/event_ops.hpp>
 #include <cudawait/runtime/detail/event_pool.hpp>
+#include <cudawait/runtime/detail/refs.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/stream.hpp>
@@ -149,49 +149,8 @@ private:
     cudaEvent_t m_handle = nullptr;
 };
 
-class event_ref;
-namespace detail {
-/// An event_like type that event_ref's own constructors do not already take.
-template <class E>
-concept foreign_event = event_like<E> && !std::same_as<std::remove_cvref_t<E>, event_ref> &&
-                        !std::same_as<std::remove_cvref_t<E>, cudaEvent_t> &&
-                        !std::same_as<std::remove_cvref_t<E>, event> &&
-                        !std::same_as<std::remove_cvref_t<E>, pooled_event>;
-} // namespace detail
-
-/// A non-owning view of a CUDA event. Inside a task, `co_await ev` resumes once the work the
-/// event captured completed; the event must outlive the await.
-class event_ref : public detail::event_ops<event_ref> {
-public:
-    constexpr event_ref(cudaEvent_t handle) noexcept : m_handle(handle) {}
-    event_ref(int) = delete;
-    event_ref(std::nullptr_t) = delete;
-    /// @throws usage_error for a moved-from event
-    event_ref(const event& e) : m_handle(e.get()) {}
-    /// @throws usage_error for an empty pooled_event
-    event_ref(const pooled_event& e) : m_handle(e.get()) {}
-    /// Views the event of another library's event type: implicit where that type converts
-    /// implicitly to cudaEvent_t, explicit where only a member names the event (an owner such as
-    /// a std::unique_ptr<CUevent_st, D> has `.get()` too, and a silent view of a temporary owner
-    /// would dangle).
-    /// @throws what the type's accessor throws
-    template <detail::foreign_event E>
-    constexpr explicit(!std::is_convertible_v<const E&, cudaEvent_t>) event_ref(const E& e)
-        : m_handle(native_event(e)) {}
-
-    /// The raw handle; never throws (a view has no moved-from state).
-    [[nodiscard]] constexpr cudaEvent_t get() const noexcept { return m_handle; }
-
-    // record / is_done / sync: detail::event_ops.
-
-    // Spelled out: a defaulted == would also compare the (empty) event_ops base, which has none.
-    friend constexpr bool operator==(event_ref a, event_ref b) noexcept {
-        return a.m_handle == b.m_handle;
-    }
-
-private:
-    cudaEvent_t m_handle;
-};
+inline event_ref::event_ref(const event& e) : m_handle(e.get()) {}
+inline event_ref::event_ref(const pooled_event& e) : m_handle(e.get()) {}
 
 inline void pooled_event::reset() noexcept {
     if (m_pool != nullptr && m_handle != nullptr) {

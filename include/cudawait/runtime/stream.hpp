@@ -13,7 +13,8 @@
 // do not wait for the legacy default stream: order the two with an event. See
 // docs/runtime.md#streams.
 
-#include <cudawait/runtime/detail/stream_ops.hpp>
+#include <cudawait/runtime/detail/event_pool.hpp>
+#include <cudawait/runtime/detail/refs.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 
@@ -26,112 +27,12 @@
 
 #include <cuda_runtime_api.h>
 
-#if __has_include(<cuda/stream_ref>)
-#include <cuda/stream_ref>
-#define CUDAWAIT_HAS_CUDA_STREAM_REF 1
-#else
-#define CUDAWAIT_HAS_CUDA_STREAM_REF 0
-#endif
-
 namespace cudawait {
 
 namespace detail {
 /// Streams created by the library and not yet destroyed (leak checks in tests).
 inline std::atomic<long> g_live_streams{0};
 } // namespace detail
-
-namespace detail {
-template <class T>
-concept has_stream_member = requires(const T& t) {
-    requires std::same_as<std::remove_cvref_t<decltype(t.stream())>, cudaStream_t>;
-};
-template <class T>
-concept has_value_member = requires(const T& t) {
-    requires std::same_as<std::remove_cvref_t<decltype(t.value())>, cudaStream_t>;
-};
-template <class T>
-concept has_stream_get = requires(const T& t) {
-    requires std::same_as<std::remove_cvref_t<decltype(t.get())>, cudaStream_t>;
-};
-// Class types only: a void* or a nullptr would otherwise pass for a stream through static_cast.
-template <class T>
-concept converts_to_stream = std::is_class_v<T> && requires(const T& t) {
-    static_cast<cudaStream_t>(t);
-};
-} // namespace detail
-
-/// A stream type of another library, or cudaStream_t itself: a class explicitly convertible to
-/// cudaStream_t, or one whose `.stream()`, `.value()` or `.get()` returns one (asked in that
-/// order; PyTorch's c10::cuda::CUDAStream has `.stream()` and a conversion, rmm's
-/// cuda_stream_view `.value()` and a conversion, cuda::stream_ref `.get()`).
-template <class T>
-concept stream_like = std::same_as<std::remove_cvref_t<T>, cudaStream_t> ||
-    detail::converts_to_stream<std::remove_cvref_t<T>> ||
-    detail::has_stream_member<std::remove_cvref_t<T>> ||
-    detail::has_value_member<std::remove_cvref_t<T>> ||
-    detail::has_stream_get<std::remove_cvref_t<T>>;
-
-/// The cudaStream_t that `x` names (see stream_like for the order in which it is asked).
-/// @throws what x's accessor throws (cudawait::stream: usage_error when moved from)
-template <stream_like S>
-[[nodiscard]] constexpr cudaStream_t native_stream(const S& x) {
-    using plain = std::remove_cvref_t<S>;
-    if constexpr (std::same_as<plain, cudaStream_t> || detail::converts_to_stream<plain>) {
-        return static_cast<cudaStream_t>(x);
-    } else if constexpr (detail::has_stream_member<plain>) {
-        return x.stream();
-    } else if constexpr (detail::has_value_member<plain>) {
-        return x.value();
-    } else {
-        return x.get();
-    }
-}
-
-class stream_ref;
-namespace detail {
-/// A stream_like type that stream_ref's own constructors do not already take.
-template <class S>
-concept foreign_stream = stream_like<S> && !std::same_as<std::remove_cvref_t<S>, stream_ref> &&
-                         !std::same_as<std::remove_cvref_t<S>, cudaStream_t>;
-} // namespace detail
-
-/// A non-owning view of a CUDA stream. Cheap to copy; never destroys the stream.
-class stream_ref : public detail::stream_ops<stream_ref> {
-public:
-    /// Wraps a raw handle. `cudaStreamPerThread` is accepted; the legacy default stream has to
-    /// be named explicitly with `cudaStreamLegacy` (an int or nullptr will not convert).
-    constexpr stream_ref(cudaStream_t handle) noexcept : m_handle(handle) {}
-    stream_ref(int) = delete;
-    stream_ref(std::nullptr_t) = delete;
-    /// Views the stream of another library's stream type. Implicit where that type converts
-    /// implicitly to cudaStream_t: it says it is a stream handle, so a view surprises no one, and
-    /// without this constructor the two conversions in a row (to cudaStream_t, then to
-    /// stream_ref) are ones the language never chains. Explicit where only a member names the
-    /// stream: `.get()` and `.value()` also belong to owners (a std::unique_ptr<CUstream_st, D>,
-    /// a std::optional<cudaStream_t>), and a silent view of a temporary owner would dangle.
-    /// @throws what the type's accessor throws
-    template <detail::foreign_stream S>
-    constexpr explicit(!std::is_convertible_v<const S&, cudaStream_t>) stream_ref(const S& s)
-        : m_handle(native_stream(s)) {}
-#if CUDAWAIT_HAS_CUDA_STREAM_REF
-    constexpr stream_ref(::cuda::stream_ref s) noexcept : m_handle(s.get()) {}
-    constexpr operator ::cuda::stream_ref() const noexcept { return ::cuda::stream_ref(m_handle); }
-#endif
-
-    /// The raw handle; never throws (a view has no moved-from state).
-    [[nodiscard]] constexpr cudaStream_t get() const noexcept { return m_handle; }
-    constexpr operator cudaStream_t() const noexcept { return m_handle; }
-
-    // is_done / sync / wait / device / priority: detail::stream_ops.
-
-    // Spelled out: a defaulted == would also compare the (empty) stream_ops base, which has none.
-    friend constexpr bool operator==(stream_ref a, stream_ref b) noexcept {
-        return a.m_handle == b.m_handle;
-    }
-
-private:
-    cudaStream_t m_handle;
-};
 
 template <class D>
 void detail::stream_ops<D>::wait(stream_ref other, std::source_location where) const {

@@ -6,11 +6,10 @@
 
 #include <cudawait/core/detail/scheduler_access.hpp>
 #include <cudawait/core/task.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
+#include <cudawait/runtime/detail/refs.hpp>
 #include <cudawait/runtime/error.hpp>
-#include <cudawait/runtime/event.hpp>
-#include <cudawait/runtime/stream.hpp>
 
-#include <chrono>
 #include <coroutine>
 #include <source_location>
 

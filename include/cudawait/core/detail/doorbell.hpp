@@ -6,12 +6,12 @@
 // memory. See docs/core.md#the-doorbell.
 
 #include <cudawait/core/detail/idle_watch.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/error.hpp>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>

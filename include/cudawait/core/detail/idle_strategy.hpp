@@ -10,10 +10,10 @@
 #include <cudawait/core/detail/wait_queues.hpp>
 #include <cudawait/core/detail/wake_history.hpp>
 #include <cudawait/core/poll_policy.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <optional>

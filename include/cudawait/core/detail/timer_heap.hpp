@@ -4,14 +4,14 @@
 // detail::timer_heap: the scheduler's timers, a min-heap by deadline (then by order of arming).
 // See docs/core.md#timers.
 
+#include <cudawait/core/detail/callback.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/detail/config.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <coroutine>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -21,7 +21,7 @@ struct timer_node {
     std::chrono::steady_clock::time_point deadline;
     std::uint64_t seq = 0;
     std::coroutine_handle<> waiter;
-    std::function<void()> callback;
+    callback fn;
     bool cancelled = false;
     /// Set by add_daemon_timer: not counted as pending work (run() and the destructor do not
     /// wait for it), for periodic checks such as a watchdog's.
@@ -46,13 +46,13 @@ public:
         push(new timer_node{deadline, m_seq++, h, {}, false});
     }
     /// Calls `fn` at `deadline` unless cancelled first.
-    timer_node* add(clock::time_point deadline, std::function<void()> fn) {
+    timer_node* add(clock::time_point deadline, callback fn) {
         auto* t = new timer_node{deadline, m_seq++, {}, std::move(fn), false};
         push(t);
         return t;
     }
     /// add(deadline, fn) for a periodic check: not counted by live().
-    timer_node* add_daemon(clock::time_point deadline, std::function<void()> fn) {
+    timer_node* add_daemon(clock::time_point deadline, callback fn) {
         auto* t = new timer_node{deadline, m_seq++, {}, std::move(fn), false};
         t->daemon = true;
         push(t);
@@ -62,7 +62,7 @@ public:
     void cancel(timer_node* t) noexcept {
         if (t != nullptr && !t->cancelled) {
             t->cancelled = true;
-            t->callback = nullptr;
+            t->fn = nullptr;
             m_live -= t->daemon ? 0 : 1;
         }
     }
@@ -90,8 +90,8 @@ public:
             progress |= !t->daemon; // a periodic check is not progress of the loop
             if (t->waiter) {
                 ready.push_back(t->waiter);
-            } else if (t->callback) {
-                t->callback();
+            } else if (t->fn) {
+                t->fn();
             }
         }
         return progress;

@@ -6,8 +6,8 @@
 // a submitted chunk). wait_until() also gives up at a deadline, for the calls that take one.
 
 #include <cudawait/core/scheduler.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 
-#include <chrono>
 #include <coroutine>
 #include <cstddef>
 #include <memory>

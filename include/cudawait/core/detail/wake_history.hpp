@@ -4,9 +4,10 @@
 // detail::wake_history: how long the scheduler's recent long idle periods lasted, and from that
 // when the present one is likely to end (poll_policy::predict). See docs/core.md#poll-policies.
 
+#include <cudawait/runtime/detail/chrono.hpp>
+
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cstddef>
 #include <optional>
 

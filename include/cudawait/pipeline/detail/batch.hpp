@@ -16,11 +16,11 @@
 #include <cudawait/pipeline/detail/staging.hpp>
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/report.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <deque>
 #include <exception>

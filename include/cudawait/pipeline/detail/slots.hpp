@@ -19,6 +19,7 @@
 #include <cudawait/pipeline/detail/monitor.hpp>
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/stage.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
@@ -26,7 +27,6 @@
 #include <cudawait/runtime/stream.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>

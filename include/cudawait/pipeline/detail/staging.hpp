@@ -11,8 +11,8 @@
 #include <cudawait/memory/pinned_pool.hpp>
 #include <cudawait/observe/timeline.hpp>
 #include <cudawait/observe/trace.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 
-#include <chrono>
 #include <condition_variable>
 #include <coroutine>
 #include <cstddef>

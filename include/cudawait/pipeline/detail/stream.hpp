@@ -17,11 +17,11 @@
 #include <cudawait/pipeline/detail/stream_run.hpp>
 #include <cudawait/pipeline/options.hpp>
 #include <cudawait/pipeline/report.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <deque>

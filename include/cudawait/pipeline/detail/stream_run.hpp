@@ -9,10 +9,10 @@
 #include <cudawait/core/timeout.hpp>
 #include <cudawait/pipeline/detail/slots.hpp>
 #include <cudawait/pipeline/options.hpp>
+#include <cudawait/runtime/detail/chrono.hpp>
 #include <cudawait/runtime/error.hpp>
 #include <cudawait/runtime/event.hpp>
 
-#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <optional>

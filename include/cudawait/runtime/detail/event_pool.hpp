@@ -1,62 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The part of event.hpp that streams need, below stream.hpp: event_like, native_event and the
-// per-device event_pool. Include <cudawait/runtime/event.hpp>, which includes this.
+// The part of event.hpp that streams need, below stream.hpp: the per-device event_pool. Include
+// <cudawait/runtime/event.hpp>, which includes this.
 
 #include <cudawait/runtime/detail/fork_guard.hpp>
 #include <cudawait/runtime/device.hpp>
 #include <cudawait/runtime/error.hpp>
 
 #include <atomic>
-#include <concepts>
 #include <cstddef>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 namespace cudawait {
-
-namespace detail {
-template <class T>
-concept has_event_member = requires(const T& t) {
-    requires std::same_as<std::remove_cvref_t<decltype(t.event())>, cudaEvent_t>;
-};
-template <class T>
-concept has_event_get = requires(const T& t) {
-    requires std::same_as<std::remove_cvref_t<decltype(t.get())>, cudaEvent_t>;
-};
-// Class types only: a void* or a nullptr would otherwise pass for an event through static_cast.
-template <class T>
-concept converts_to_event = std::is_class_v<T> && requires(const T& t) {
-    static_cast<cudaEvent_t>(t);
-};
-} // namespace detail
-
-/// An event type of another library, or cudaEvent_t itself: a class explicitly convertible to
-/// cudaEvent_t, or one whose `.event()` or `.get()` returns one (asked in that order, the
-/// specific name first as for stream_like; cuda::event_ref has `.get()`).
-template <class T>
-concept event_like = std::same_as<std::remove_cvref_t<T>, cudaEvent_t> ||
-    detail::converts_to_event<std::remove_cvref_t<T>> ||
-    detail::has_event_member<std::remove_cvref_t<T>> ||
-    detail::has_event_get<std::remove_cvref_t<T>>;
-
-/// The cudaEvent_t that `x` names (see event_like for the order in which it is asked).
-/// @throws what x's accessor throws (cudawait::event: usage_error when moved from)
-template <event_like E>
-[[nodiscard]] constexpr cudaEvent_t native_event(const E& x) {
-    using plain = std::remove_cvref_t<E>;
-    if constexpr (std::same_as<plain, cudaEvent_t> || detail::converts_to_event<plain>) {
-        return static_cast<cudaEvent_t>(x);
-    } else if constexpr (detail::has_event_member<plain>) {
-        return x.event();
-    } else {
-        return x.get();
-    }
-}
 
 namespace detail {
 /// Events created by the library and not yet destroyed (leak checks in tests).
