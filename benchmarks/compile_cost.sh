@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # What cudawait's headers cost each translation unit that includes them, under nvcc and g++.
 #   benchmarks/compile_cost.sh [--runs N] [--headers] [--cpu | --memory | --instructions]
-#                              [--only nvcc|g++]
+#                              [--only nvcc|g++] [--against REV]
 #     --runs N     N rounds (default 4); a round compiles every TU once, each subject next to its
 #                  floor (the subject first in odd rounds, the floor first in even ones: on a
 #                  2-core VM the second compile of a pair ran 10-20% slower, so N should be
@@ -16,6 +16,10 @@
 #                  runs (valgrind's callgrind; nvcc's cudafe++, cicc, the host g++...): the same
 #                  every run, for nvcc too, but each compile takes minutes
 #     --only C     time one compiler only
+#     --against REV  also compile each subject against the headers of git revision REV (of this
+#                  repository), in the same run, and print old, new and the change; a subject
+#                  whose headers REV lacks is spelled as REV had them (core/task.hpp as task.hpp;
+#                  core.hpp, a face REV lacks, as its task.hpp + scheduler.hpp)
 # For each subject it compiles a one-line TU (`#include <cudawait/...>` + `int main(){}`) and its
 # floor: a TU that includes exactly the standard, system and CUDA headers that cudawait's own
 # headers include (found by `g++ -H`: the non-cudawait headers whose includer is a cudawait
@@ -28,7 +32,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '3,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '3,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -36,6 +40,7 @@ runs=4
 per_header=0
 clock=wall
 compilers=(nvcc g++)
+against=""
 while (($# > 0)); do
     case "$1" in
     --runs)
@@ -55,6 +60,10 @@ while (($# > 0)); do
         ;;
     --only)
         compilers=("$2")
+        shift
+        ;;
+    --against)
+        against="$2"
         shift
         ;;
     -h | --help) usage ;;
@@ -93,6 +102,17 @@ cxx_flags=(-std=c++20 -O2 "${includes[@]}")
 
 work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
+
+# --against: REV's include/ in ${work}/old, and the flags that find it instead of ours.
+old_includes=()
+if [[ -n "${against}" ]]; then
+    mkdir -p "${work}/old"
+    if ! git -C "${root}" archive "${against}" include | tar -x -C "${work}/old"; then
+        echo "compile_cost.sh: cannot read include/ of revision ${against}" >&2
+        exit 1
+    fi
+    old_includes=(-I"${work}/old/include" "${includes[@]:1}")
+fi
 
 # The header search list, in order, as g++ resolves <...> with these flags.
 mapfile -t search_dirs < <("${cxx}" -std=c++20 "${includes[@]}" -xc++ -E -v /dev/null 2>&1 |
@@ -165,6 +185,7 @@ subject() {
     local name="$1" header
     shift
     : >"${work}/${name}.cpp"
+    [[ "${name}" == *_separate ]] && echo '#define CUDAWAIT_SEPARATE_COMPILATION' >"${work}/${name}.cpp"
     for header in "$@"; do
         printf '#include <cudawait/%s>\n' "${header}" >>"${work}/${name}.cpp"
     done
@@ -173,11 +194,41 @@ subject() {
     # shellcheck disable=SC2086 # extra flags are words
     floor "${name}" ${extra[${name}]:-}
     subjects+=("${name}")
+    # A *_separate subject's old TU is its plain twin's (REV knows no such define).
+    [[ -n "${against}" && "${name}" != *_separate ]] && old_subject "${name}" "$@"
+    return 0
+}
+
+# old_subject NAME HEADER...: NAME_old.{cpp,cu}, the same TU against REV's headers, as REV spelled
+# them; none where REV has no counterpart.
+old_subject() {
+    local name="$1" header spelled old="${work}/old/include/cudawait"
+    shift
+    : >"${work}/${name}_old.cpp"
+    for header in "$@"; do
+        spelled="${header}"
+        if [[ ! -e "${old}/${spelled}" ]]; then
+            spelled="${header#*/}"
+            [[ "${header}" == core.hpp ]] && spelled="task.hpp scheduler.hpp"
+        fi
+        for h in ${spelled}; do
+            if [[ ! -e "${old}/${h}" ]]; then
+                rm -f "${work}/${name}_old.cpp"
+                return 0
+            fi
+            printf '#include <cudawait/%s>\n' "${h}" >>"${work}/${name}_old.cpp"
+        done
+    done
+    echo 'int main() {}' >>"${work}/${name}_old.cpp"
+    cp "${work}/${name}_old.cpp" "${work}/${name}_old.cu"
 }
 
 subject umbrella cudawait.hpp
 subject coroutine core/task.hpp core/scheduler.hpp
 subject core_face core.hpp
+subject umbrella_separate cudawait.hpp
+subject coroutine_separate core/task.hpp core/scheduler.hpp
+subject core_face_separate core.hpp
 if ((per_header)); then
     # The faces (cudawait/<module>.hpp) and every module's public headers (not detail/).
     for header in "${root}"/include/cudawait/*.hpp "${root}"/include/cudawait/*/*.hpp; do
@@ -263,18 +314,23 @@ timed() {
 compile_all() {
     local round="$1" name tu compiler order
     for name in "${subjects[@]}" reference; do
-        order=("${name}" "${name}_floor")
-        ((round % 2 == 0)) && order=("${name}_floor" "${name}")
+        order=("${name}" "${name}_floor" "${name}_old")
+        ((round % 2 == 0)) && order=("${name}_old" "${name}_floor" "${name}")
         for compiler in "${compilers[@]}"; do
             for tu in "${order[@]}"; do
                 [[ -e "${work}/${tu}.cpp" ]] || continue
+                local nflags=("${nvcc_flags[@]}") cflags=("${cxx_flags[@]}")
+                if [[ "${tu}" == *_old ]]; then
+                    nflags=(-std=c++20 -O2 -arch=sm_90 "${old_includes[@]}")
+                    cflags=(-std=c++20 -O2 "${old_includes[@]}")
+                fi
                 if [[ "${compiler}" == nvcc ]]; then
                     # shellcheck disable=SC2086 # extra flags are words
-                    timed "nvcc/${tu}" "${nvcc}" "${nvcc_flags[@]}" ${extra[${name}]:-} -c \
+                    timed "nvcc/${tu}" "${nvcc}" "${nflags[@]}" ${extra[${name}]:-} -c \
                         "${work}/${tu}.cu" -o "${work}/out.o"
                 else
                     # shellcheck disable=SC2086
-                    timed "g++/${tu}" "${cxx}" "${cxx_flags[@]}" ${extra[${name}]:-} -c \
+                    timed "g++/${tu}" "${cxx}" "${cflags[@]}" ${extra[${name}]:-} -c \
                         "${work}/${tu}.cpp" -o "${work}/out.o"
                 fi
             done
@@ -302,7 +358,10 @@ fi
 echo "  nvcc: $("${nvcc}" --version | sed -n '$p'): ${nvcc_flags[*]}"
 echo "  g++:  $("${cxx}" --version | sed -n 1p): ${cxx_flags[*]}"
 echo "floor = the standard, system and CUDA headers the subject's cudawait headers include"
-printf '%-9s %-15s %8s %8s %7s %7s  %s\n' compiler subject headers floor ratio target ""
+old_head=""
+[[ -n "${against}" ]] && old_head="$(printf '%9s %8s' "${against:0:9}" change)"
+printf '%-9s %-19s %8s %8s %7s %7s %s  %s\n' compiler subject headers floor ratio target \
+    "${old_head}" ""
 for compiler in "${compilers[@]}"; do
     for name in "${subjects[@]}"; do
         case "${name}" in
@@ -323,13 +382,27 @@ for compiler in "${compilers[@]}"; do
         if [[ -n "${target}" ]]; then
             met="$(awk -v r="${ratio}" -v t="${target}" 'BEGIN { print (r <= t ? "ok" : "over") }')"
         fi
-        printf '%-9s %-15s %8.2f %8.2f %7s %7s  %s\n' "${compiler}" "${name}" "${with}" \
-            "${without}" "${ratio}x" "${target:+${target}x}" "${met}"
+        old_cols=""
+        if [[ -n "${against}" ]]; then
+            old="${best[${compiler}/${name%_separate}_old]:-}"
+            if [[ -n "${old}" ]]; then
+                old_cols="$(awk -v o="${old}" -v n="${with}" 'BEGIN {
+                    printf "%9.2f %+7.0f%%", o, (n / o - 1) * 100 }')"
+            else
+                old_cols="$(printf '%9s %8s' - -)"
+            fi
+        fi
+        printf '%-9s %-19s %8.2f %8.2f %7s %7s %s  %s\n' "${compiler}" "${name}" "${with}" \
+            "${without}" "${ratio}x" "${target:+${target}x}" "${old_cols}" "${met}"
     done
-    printf '%-9s %-15s %8.2f %8s\n' "${compiler}" "reference" "${best[${compiler}/reference]}" \
+    printf '%-9s %-19s %8.2f %8s\n' "${compiler}" "reference" "${best[${compiler}/reference]}" \
         "-"
 done
 echo "reference: <coroutine> + <cuda_runtime.h> only; coroutine: core/task.hpp + core/scheduler.hpp; core_face: core.hpp"
+echo "*_separate: the same with CUDAWAIT_SEPARATE_COMPILATION (cudawait::compiled)"
+if [[ -n "${against}" ]]; then
+    echo "${against}: the subject against that revision's headers (a *_separate subject: its plain twin's); change: new against it"
+fi
 if ((paired)); then
     for compiler in "${compilers[@]}"; do
         for name in umbrella coroutine; do

@@ -91,6 +91,11 @@ if(MODE STREQUAL "install")
     endforeach()
   endif()
 
+  # cudawait::compiled's archive.
+  if(LIBDIR AND NOT IS_ABSOLUTE "${LIBDIR}" AND NOT EXISTS "${PREFIX}/${LIBDIR}/libcudawait.a")
+    message(FATAL_ERROR "install did not create ${PREFIX}/${LIBDIR}/libcudawait.a")
+  endif()
+
   if(DOCDIR AND NOT IS_ABSOLUTE "${DOCDIR}" AND NOT EXISTS "${PREFIX}/${DOCDIR}/LICENSE")
     message(FATAL_ERROR "install did not create ${PREFIX}/${DOCDIR}/LICENSE")
   endif()

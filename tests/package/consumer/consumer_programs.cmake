@@ -9,6 +9,7 @@
 #   app_cuda          CMAKE_CXX_STANDARD 20 + CMAKE_CXX_STANDARD_REQUIRED ON (CUDA follows CXX)
 #   app_cuda_cudastd  CMAKE_CUDA_STANDARD 20 + CMAKE_CUDA_STANDARD_REQUIRED ON
 # app_host is the .cpp program, under CMAKE_CXX_STANDARD 20. No target gets -std by hand.
+# app_host_compiled and app_cuda_compiled link cudawait::compiled as well.
 
 set(_consumer_dir ${CMAKE_CURRENT_LIST_DIR})
 
@@ -24,8 +25,15 @@ set(CMAKE_CUDA_STANDARD 20)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 add_executable(app_cuda_cudastd ${_consumer_dir}/consumer.cu)
 
+# The same programs against cudawait::compiled (the loop compiled once, in the library):
+# app_host_compiled from a .cpp, app_cuda_compiled from a .cu.
+add_executable(app_host_compiled ${_consumer_dir}/consumer.cpp)
+add_executable(app_cuda_compiled ${_consumer_dir}/consumer.cu)
+target_link_libraries(app_host_compiled PRIVATE cudawait::compiled)
+target_link_libraries(app_cuda_compiled PRIVATE cudawait::compiled)
+
 enable_testing()
-foreach(app app_host app_cuda_plain app_cuda app_cuda_cudastd)
+foreach(app app_host app_cuda_plain app_cuda app_cuda_cudastd app_host_compiled app_cuda_compiled)
   target_link_libraries(${app} PRIVATE cudawait::cudawait)
   target_compile_definitions(${app} PRIVATE CONSUMER_EXPECTED_VERSION="${CONSUMER_EXPECTED_VERSION}")
   target_compile_options(${app} PRIVATE
