@@ -175,8 +175,8 @@ elseif(MODE STREQUAL "bare")
   if(CONFIG)
     set(build_config --config "${CONFIG}")
   endif()
-  run_step("build the demo (pipeline example) without GoogleTest and Google Benchmark"
-    "${CMAKE_COMMAND}" --build "${BINARY_DIR}" --target pipeline_example ${build_config})
+  run_step("build the demo (pipeline example) and cudawait::compiled without GoogleTest and Google Benchmark"
+    "${CMAKE_COMMAND}" --build "${BINARY_DIR}" --target pipeline_example cudawait_compiled ${build_config})
   run_step("install without GoogleTest and Google Benchmark"
     "${CMAKE_COMMAND}" --install "${BINARY_DIR}" --prefix "${PREFIX}" ${build_config})
   file(GLOB_RECURSE configs "${PREFIX}/*/cudawaitConfig.cmake")
