@@ -203,6 +203,54 @@ static_assert(!waits_are_public<scheduler>);
 static_assert(!timers_are_public<scheduler>);
 static_assert(!loop_internals_are_public<scheduler>);
 
+TEST(scheduler, posted_callables_of_every_size_run_once_and_are_destroyed_once) {
+    // What post() keeps: small callables in place, larger ones (and ones that may throw when
+    // moved) on the heap; each is called once, moved without copies, destroyed exactly once.
+    struct tracked {
+        int* calls;
+        int* live;
+        std::uint64_t pad[4];
+        tracked(int* c, int* l, std::uint64_t seed) : calls(c), live(l), pad{seed, ~seed, seed, 1} {
+            ++*live;
+        }
+        tracked(tracked&& o) noexcept
+            : calls(o.calls), live(o.live), pad{o.pad[0], o.pad[1], o.pad[2], o.pad[3]} {
+            ++*live;
+        }
+        tracked(const tracked&) = delete;
+        ~tracked() { --*live; }
+        void operator()() const {
+            EXPECT_EQ(pad[1], ~pad[0]);
+            ++*calls;
+        }
+    };
+    int calls = 0;
+    int live = 0;
+    std::mt19937_64 rng(std::random_device{}());
+    {
+        cudawait::detail::callback small = [&calls] { ++calls; };
+        cudawait::detail::callback large = tracked(&calls, &live, rng());
+        EXPECT_EQ(live, 1);
+        cudawait::detail::callback moved(std::move(large));
+        EXPECT_FALSE(large);
+        cudawait::detail::callback assigned;
+        assigned = std::move(moved);
+        assigned = std::move(small); // destroys the tracked one it held
+        EXPECT_EQ(live, 0);
+        assigned();
+        EXPECT_EQ(calls, 1);
+    }
+    scheduler s;
+    for (int i = 0; i < 100; ++i) {
+        s.post(tracked(&calls, &live, rng()));
+        s.post([&calls, seed = rng()] { calls += seed == 0 ? 2 : 1; });
+    }
+    s.post(std::function<void()>([&calls] { ++calls; }));
+    s.run();
+    EXPECT_EQ(calls, 1 + 201);
+    EXPECT_EQ(live, 0);
+}
+
 TEST(scheduler, internals_are_reached_through_scheduler_access) {
     using access = cudawait::detail::scheduler_access;
     scheduler s;
